@@ -1,0 +1,103 @@
+"""The options of MoC checkpointing (``checkpoint.*`` in Hydra), validated where they are built.
+
+One dataclass per component, a docstring under every field, and validation in ``__post_init__``: a bad
+value fails before training starts, with a message that names the option and what it allows. Checks that
+need the model (``k_snapshot <= N``) run when the layout is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SELECTION_POLICIES = ("sequential", "load_aware")
+SHARDING_STRATEGIES = ("equal", "adaptive", "rank0", "dcp_default")
+STORAGE_BACKENDS = ("filesystem", "tensorstore")
+RESUME_MODES = ("auto", "never")
+
+
+def _require_choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{option}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def _require_at_least(option: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{option} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class StorageConfig:
+    """Where persisted checkpoints go."""
+
+    backend: str = "filesystem"
+    """``filesystem`` (DCP's file writer; local or shared file system) or ``tensorstore`` (zarr v3 arrays)."""
+    url: str = ""
+    """Checkpoint location, e.g. ``file:///scratch/run1/ckpt``; empty means ``<run output dir>/checkpoints``."""
+
+    def __post_init__(self) -> None:
+        _require_choice("checkpoint.storage.backend", self.backend, STORAGE_BACKENDS)
+
+
+@dataclass
+class DynamicKConfig:
+    """Dynamic-K (paper section 5.3): double K after a recovery whose accumulated PLT passes the threshold."""
+
+    enabled: bool = False
+    """Whether K adapts to accumulated faults."""
+    plt_threshold: float = 0.0375
+    """Accumulated Proportion of Lost Tokens (a fraction, 0.0375 = 3.75%) above which K doubles."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.plt_threshold <= 1:
+            raise ValueError(f"checkpoint.dynamic_k.plt_threshold must be in (0, 1], got {self.plt_threshold}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Partial Experts Checkpointing at two levels: in-memory snapshots and persists to storage."""
+
+    enabled: bool = True
+    """Whether the training recipe adds the MoC checkpoint callback."""
+    k_snapshot: int = 2
+    """Experts per MoE layer copied into each in-memory snapshot (1 <= k_snapshot <= N)."""
+    k_persist: int = 1
+    """Experts per MoE layer persisted to storage, chosen among the snapshot's (1 <= k_persist <= k_snapshot)."""
+    every_n_train_steps: int = 10
+    """Snapshot interval in optimizer steps."""
+    persist_every_n_snapshots: int = 2
+    """Persist every this many snapshots."""
+    selection: str = "sequential"
+    """Which experts a checkpoint takes: ``sequential`` (interleaved rotation) or ``load_aware``."""
+    sharding: str = "adaptive"
+    """Who writes which bytes: ``equal``, ``adaptive``, or the baselines ``rank0`` and ``dcp_default``."""
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    """Persist target."""
+    shm_root: str = "/dev/shm/moc_lightning"
+    """Node-local shared-memory directory that holds the snapshot slots."""
+    retention: int = 3
+    """Persisted checkpoints to keep (never removing the only stored version of a unit)."""
+    dynamic_k: DynamicKConfig = field(default_factory=DynamicKConfig)
+    """Dynamic-K settings."""
+    resume: str = "auto"
+    """``auto``: recover from the newest surviving checkpoint at start-up; ``never``: start fresh."""
+
+    def __post_init__(self) -> None:
+        _require_at_least("checkpoint.k_snapshot", self.k_snapshot, 1)
+        _require_at_least("checkpoint.k_persist", self.k_persist, 1)
+        if self.k_persist > self.k_snapshot:
+            raise ValueError(
+                f"checkpoint.k_persist={self.k_persist} must be <= checkpoint.k_snapshot={self.k_snapshot}: "
+                "persisted experts are chosen among the snapshot's"
+            )
+        _require_at_least("checkpoint.every_n_train_steps", self.every_n_train_steps, 1)
+        _require_at_least("checkpoint.persist_every_n_snapshots", self.persist_every_n_snapshots, 1)
+        _require_at_least("checkpoint.retention", self.retention, 1)
+        _require_choice("checkpoint.selection", self.selection, SELECTION_POLICIES)
+        _require_choice("checkpoint.sharding", self.sharding, SHARDING_STRATEGIES)
+        _require_choice("checkpoint.resume", self.resume, RESUME_MODES)
+
+    def validate_for(self, num_experts: int) -> None:
+        """Checks that need the model: K can be at most the number of experts per MoE layer."""
+        for option, k in (("checkpoint.k_snapshot", self.k_snapshot), ("checkpoint.k_persist", self.k_persist)):
+            if k > num_experts:
+                raise ValueError(f"{option}={k} must be <= the number of experts per MoE layer ({num_experts})")

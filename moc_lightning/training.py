@@ -1,0 +1,145 @@
+"""The training job behind ``recipes/train.py``: typed config tree, Trainer assembly, and the run itself.
+
+The dataclasses here are the Hydra schema (registered in the ConfigStore by :func:`register_configs`), so a
+wrong type or an unknown key fails at composition with Hydra's own message, and ``__post_init__`` checks
+values when the config is turned into objects. Everything works without Hydra too: build a
+:class:`TrainConfig` and call :func:`run`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+from hydra.core.config_store import ConfigStore
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import DictConfig, OmegaConf
+
+from moc_lightning.config import CheckpointConfig
+from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.models.gpt_moe import GPTMoEConfig
+from moc_lightning.models.lightning import GPTMoEModule, OptimConfig
+
+
+@dataclass
+class TrainerConfig:
+    """The subset of ``lightning.Trainer`` arguments the recipe exposes, plus the expert-parallel degree."""
+
+    accelerator: str = "cpu"
+    """``cpu`` or ``gpu`` (anything Lightning accepts)."""
+    devices: int = 2
+    """Processes per node."""
+    num_nodes: int = 1
+    """Nodes."""
+    ep: int | None = None
+    """Expert-parallel degree; must divide devices * num_nodes and model.num_experts. ``null``: all ranks."""
+    process_group_backend: str | None = None
+    """``gloo`` / ``nccl``; ``null`` lets Lightning choose (gloo on CPU, nccl on GPU)."""
+    precision: str = "32-true"
+    """Lightning precision, e.g. ``bf16-mixed`` on GPU."""
+    max_steps: int = 200
+    """Optimizer steps to train."""
+    val_check_interval: int = 50
+    """Validate every this many optimizer steps."""
+    limit_val_batches: int = 8
+    """Validation batches per validation run."""
+    log_every_n_steps: int = 10
+    """Logging interval in steps."""
+    gradient_clip_val: float = 1.0
+    """Clip the global gradient norm (0 disables)."""
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "num_nodes", "max_steps", "val_check_interval", "log_every_n_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+@dataclass
+class TrainConfig:
+    """Root of the config tree (``conf/train.yaml``)."""
+
+    model: GPTMoEConfig = field(default_factory=GPTMoEConfig)
+    """The reference GPT-MoE shape (``conf/model/``)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and batching (``conf/data/``)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Lightning Trainer settings (``conf/trainer/``)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """MoC checkpointing options (``conf/checkpoint/``)."""
+    seed: int = 0
+    """Seed of initialisation and data order."""
+
+    def __post_init__(self) -> None:
+        ep = self.trainer.ep
+        if ep is not None:
+            if ep < 1 or self.trainer.world_size % ep:
+                raise ValueError(
+                    f"trainer.ep={ep} must divide the number of processes "
+                    f"(trainer.devices * trainer.num_nodes = {self.trainer.world_size})"
+                )
+        ep = ep or self.trainer.world_size
+        if self.model.num_experts % ep:
+            raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by the EP degree {ep}")
+        self.checkpoint.validate_for(self.model.num_experts)
+
+
+def register_configs() -> None:
+    """Register the schema so ``conf/train.yaml`` (``defaults: [train_schema, ...]``) is type-checked."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Turn a composed Hydra config into objects, running every ``__post_init__`` check."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    """A Trainer that logs CSV under ``output_dir/logs``; Lightning's own checkpointing stays off.
+
+    Lightning's ``ModelCheckpoint`` saves rank 0's state only, which under expert parallelism lacks the
+    other ranks' experts; MoC checkpointing (``checkpoint.*``) is the checkpointing of this recipe.
+    """
+    t = cfg.trainer
+    strategy = "auto"
+    if t.world_size > 1:
+        strategy = DDPStrategy(process_group_backend=t.process_group_backend)
+    return L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=strategy,
+        precision=t.precision,
+        max_steps=t.max_steps,
+        val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        gradient_clip_val=t.gradient_clip_val or None,
+        logger=CSVLogger(save_dir=str(output_dir), name="logs", version=""),
+        default_root_dir=str(output_dir),
+        enable_checkpointing=False,
+        callbacks=callbacks or [],
+        enable_progress_bar=False,
+    )
+
+
+def run(cfg: TrainConfig, output_dir: Path) -> L.Trainer:
+    """Train the reference model as configured; returns the finished Trainer."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = GPTMoEModule(cfg.model, cfg.optim, ep=cfg.trainer.ep, seed=cfg.seed)
+    data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
+    trainer = build_trainer(cfg, output_dir)
+    trainer.fit(module, datamodule=data)
+    if trainer.is_global_zero:
+        metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
+        print(f"[moc_lightning] finished {trainer.global_step} steps; final metrics: {metrics}")
+        print(f"[moc_lightning] logs: {Path(trainer.logger.log_dir) / 'metrics.csv'}")
+    return trainer
