@@ -97,8 +97,13 @@ def register_configs() -> None:
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Turn a composed Hydra config into objects, running every ``__post_init__`` check."""
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    """Turn a composed Hydra config into objects, running every ``__post_init__`` check.
+
+    The config is merged into a fresh schema first: Hydra's ``+key=value`` appends keys even to typed
+    nodes, and ``to_object`` would drop them silently; the merge rejects them by name instead.
+    """
+    checked = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=True))
+    return OmegaConf.to_object(checked)  # type: ignore[return-value]
 
 
 def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback] | None = None) -> L.Trainer:

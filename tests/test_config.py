@@ -1,0 +1,108 @@
+"""Every config in conf/ composes and validates; bad input fails with a message naming the option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from moc_lightning.config import CheckpointConfig
+from moc_lightning.training import TrainConfig, register_configs, to_train_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# Options that a group's config leaves for the user to fill (``???``).
+REQUIRED = {"data/text": ["data.paths=[a.txt]"], "data/bin": ["data.paths=[a.bin]"]}
+
+
+def _compose(overrides: list[str], hydra_config: bool = False):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=hydra_config)
+
+
+def _group_options() -> list[tuple[str, str]]:
+    return sorted(
+        (str(path.parent.relative_to(CONF)), path.stem)
+        for path in CONF.rglob("*.yaml")
+        if path.parent != CONF
+    )
+
+
+@pytest.mark.parametrize(("group", "option"), _group_options())
+def test_every_config_composes(group: str, option: str) -> None:
+    overrides = [f"{group}={option}", *REQUIRED.get(f"{group}/{option}", [])]
+    if group.startswith("hydra/"):
+        cfg = _compose(overrides, hydra_config=True)
+        assert cfg.hydra.launcher.tasks_per_node == cfg.trainer.devices
+        return
+    cfg = _compose(overrides)
+    train = to_train_config(cfg)
+    assert isinstance(train, TrainConfig)
+
+
+def test_model_presets_have_paper_shapes() -> None:
+    shapes = {
+        name: to_train_config(_compose([f"model={name}", "trainer.devices=8"])).model
+        for name in ("gpt_125m_8e", "gpt_350m_16e")
+    }
+    assert (shapes["gpt_125m_8e"].n_layer, shapes["gpt_125m_8e"].n_embd, shapes["gpt_125m_8e"].num_experts) == (
+        12,
+        768,
+        8,
+    )
+    assert (shapes["gpt_350m_16e"].n_layer, shapes["gpt_350m_16e"].n_embd, shapes["gpt_350m_16e"].num_experts) == (
+        24,
+        1024,
+        16,
+    )
+
+
+def test_unknown_key_is_rejected() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose(["checkpoint.k_snapshott=2"])
+    assert "Key 'k_snapshott' not in 'CheckpointConfig'" in str(err.value.__cause__)
+
+
+def test_appended_unknown_key_is_rejected() -> None:
+    """Hydra's ``+key=value`` gets past composition; turning the config into objects must still refuse it."""
+    cfg = _compose(["+checkpoint.k_snapshott=2"])
+    with pytest.raises(ConfigKeyError, match="Key 'k_snapshott' not in 'CheckpointConfig'"):
+        to_train_config(cfg)
+
+
+def test_wrong_type_is_rejected() -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose(["trainer.devices=two"])
+    assert isinstance(err.value.__cause__, ValidationError)
+    assert "devices" in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["checkpoint.k_snapshot=0"], "checkpoint.k_snapshot must be >= 1"),
+        (["checkpoint.k_snapshot=9"], "checkpoint.k_snapshot=9 must be <= the number of experts per MoE layer (8)"),
+        (["checkpoint.k_snapshot=2", "checkpoint.k_persist=3"], "checkpoint.k_persist=3 must be <= checkpoint.k_snapshot=2"),
+        (["checkpoint.selection=random"], "checkpoint.selection='random' is not allowed; choose one of: sequential, load_aware"),
+        (["checkpoint.sharding=zero"], "checkpoint.sharding='zero' is not allowed"),
+        (["checkpoint.storage.backend=s3"], "checkpoint.storage.backend='s3' is not allowed"),
+        (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
+        (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),
+        (["model.n_head=3"], "model.n_embd=64 must be divisible by model.n_head=3"),
+        (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
+    ],
+)
+def test_bad_values_name_the_option(overrides: list[str], message: str) -> None:
+    cfg = _compose(overrides)
+    with pytest.raises(ValueError, match=None) as err:
+        to_train_config(cfg)
+    assert message in str(err.value)
+
+
+def test_checkpoint_config_validates_without_hydra() -> None:
+    with pytest.raises(ValueError, match="checkpoint.retention must be >= 1"):
+        CheckpointConfig(retention=0)
+    assert CheckpointConfig(k_snapshot=4, k_persist=4).k_persist == 4
