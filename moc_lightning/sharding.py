@@ -1,0 +1,307 @@
+"""Ownership: which rank writes which row range of every unit a checkpoint saves.
+
+Every unit is replicated: a dense unit on all ranks, an expert on one rank per EP group. Left alone, each
+holder would write its replica; ownership picks exactly one writer for every byte and spreads the bytes so
+that the busiest rank, which sets how long a checkpoint takes, is as light as possible (MoC-System,
+section 4). It is a pure function of the units and the topology, so every rank computes the same answer
+with no communication, and it is cached because the sequential PEC selection repeats every ceil(N/K)
+checkpoints.
+
+Strategies (``STRATEGIES``):
+
+- ``equal``: each expert is split into equal row ranges over its replicas (section 4.1); dense units stay
+  whole (layer granularity, section 4.2) and are spread by size over all ranks, largest first onto the
+  rank with the fewest dense bytes, ignoring experts, so the dense pattern never depends on the selection.
+- ``adaptive``: experts as in ``equal``; dense units go largest first onto the rank with the fewest bytes
+  *including* the experts the selection put on it, filling the ranks PEC leaves light (section 4.3).
+- ``rank0``: the Megatron-DeepSpeed baseline (Figure 7a): every unit whole by its lowest-ranked holder, i.e.
+  rank 0 writes all dense units and EP group 0 writes all experts.
+- ``dcp_default``: what ``torch.distributed.checkpoint``'s deduplication (``dedup_save_plans``) does,
+  modelled with one write item per unit; see ``_dcp_default``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Literal
+
+UnitKind = Literal["expert", "dense"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The ranks that train together: EP groups are consecutive blocks of ``ep`` ranks."""
+
+    world_size: int
+    """Number of ranks (the data-parallel degree)."""
+    ep: int
+    """Expert-parallel degree: ranks per EP group. Must divide ``world_size``."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ep < 1 or self.world_size % self.ep != 0:
+            raise ValueError(
+                f"topology needs world_size >= 1 and an ep >= 1 that divides it; "
+                f"got world_size={self.world_size}, ep={self.ep}"
+            )
+
+    def ranks(self) -> range:
+        """Every rank: the holders of a dense unit."""
+        return range(self.world_size)
+
+    def replicas(self, ep_rank: int) -> range:
+        """The ranks at EP rank ``ep_rank`` in each EP group: the holders of the experts that EP rank holds."""
+        if not 0 <= ep_rank < self.ep:
+            raise ValueError(f"ep_rank={ep_rank} must lie in [0, ep={self.ep})")
+        return range(ep_rank, self.world_size, self.ep)
+
+
+@dataclass(frozen=True)
+class ShardingUnit:
+    """One unit to save, as ownership sees it: a key, a size in rows, and the ranks holding a replica.
+
+    A unit (weights and optimizer state) is viewed as ``rows`` rows of ``row_bytes`` bytes each, so that
+    it can be split into row ranges; ``holders`` is a sorted ``range`` or tuple of ranks (a ``range`` keeps
+    a dense unit on thousands of ranks cheap to store and to hash).
+    """
+
+    key: str
+    """Stable name of the unit, the same on every rank (e.g. ``expert/L3/E7`` or ``dense/blocks.0.attn``)."""
+    kind: UnitKind
+    rows: int
+    """Length of dim 0: the unit can be split into row ranges ``[start, stop)`` of ``[0, rows)``."""
+    row_bytes: int
+    """Bytes per row, weights and optimizer state together."""
+    holders: tuple[int, ...] | range
+    """Ranks holding a replica, ascending."""
+    layer: int | None = None
+    """MoE-layer index, for experts only."""
+    expert: int | None = None
+    """Global expert id within its layer, for experts only."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("expert", "dense"):
+            raise ValueError(f"unit {self.key!r}: kind={self.kind!r} must be 'expert' or 'dense'")
+        is_expert = self.kind == "expert"
+        if (self.layer is not None, self.expert is not None) != (is_expert, is_expert):
+            raise ValueError(f"unit {self.key!r}: layer and expert are required for experts and forbidden for dense")
+        if self.rows < 0 or self.row_bytes < 0:
+            raise ValueError(f"unit {self.key!r}: rows={self.rows} and row_bytes={self.row_bytes} must be >= 0")
+        if len(self.holders) == 0:
+            raise ValueError(f"unit {self.key!r}: holders must name at least one rank")
+        ascending = self.holders.step > 0 if isinstance(self.holders, range) else all(
+            a < b for a, b in zip(self.holders, self.holders[1:])
+        )
+        if not ascending or self.holders[0] < 0:
+            raise ValueError(f"unit {self.key!r}: holders must be distinct ranks >= 0 in ascending order")
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole unit in bytes."""
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rows ``[row_start, row_stop)`` of one unit, written by ``rank``."""
+
+    rank: int
+    row_start: int
+    row_stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who writes what: for every unit, shards that cover its rows exactly once, each by one of its holders."""
+
+    strategy: str
+    topology: Topology
+    units: tuple[ShardingUnit, ...]
+    shards: tuple[tuple[Shard, ...], ...]
+    """``shards[i]`` partitions ``[0, units[i].rows)``; an empty unit has one empty shard, so it has a writer."""
+    rank_bytes: tuple[int, ...]
+    """Bytes each rank writes."""
+
+    def shards_of(self, key: str) -> tuple[Shard, ...]:
+        """The shards of the unit named ``key``."""
+        try:
+            return self.shards[self._index_of_key[key]]
+        except KeyError:
+            raise KeyError(f"no unit with key {key!r} in this ownership") from None
+
+    def writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
+        """What ``rank`` writes: (unit, shard) pairs, in unit order."""
+        if not 0 <= rank < self.topology.world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world_size={self.topology.world_size})")
+        return tuple(self._writes_by_rank.get(rank, ()))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.rank_bytes)
+
+    @property
+    def busiest_bytes(self) -> int:
+        """Bytes of the bottleneck rank, which sets how long the checkpoint takes."""
+        return max(self.rank_bytes)
+
+    @property
+    def ideal_bytes(self) -> float:
+        """Bytes per rank if the total were spread perfectly evenly."""
+        return self.total_bytes / self.topology.world_size
+
+    @cached_property
+    def _index_of_key(self) -> dict[str, int]:
+        return {unit.key: i for i, unit in enumerate(self.units)}
+
+    @cached_property
+    def _writes_by_rank(self) -> dict[int, list[tuple[ShardingUnit, Shard]]]:
+        by_rank: dict[int, list[tuple[ShardingUnit, Shard]]] = {}
+        for unit, shards in zip(self.units, self.shards):
+            for shard in shards:
+                by_rank.setdefault(shard.rank, []).append((unit, shard))
+        return by_rank
+
+
+Assignment = dict[int, tuple[Shard, ...]]
+"""Shards of some units, keyed by the unit's position in the input."""
+
+
+def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
+    return (Shard(rank, 0, unit.rows),)
+
+
+def _split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
+    """Equal row ranges, one per holder (fewer when there are fewer rows than holders)."""
+    pieces = max(1, min(len(unit.holders), unit.rows))
+    bounds = [piece * unit.rows // pieces for piece in range(pieces + 1)]
+    return tuple(Shard(unit.holders[piece], bounds[piece], bounds[piece + 1]) for piece in range(pieces))
+
+
+def _split_experts(units: Sequence[ShardingUnit]) -> Assignment:
+    return {i: _split_over_holders(unit) for i, unit in enumerate(units) if unit.kind == "expert"}
+
+
+def _rank_bytes(units: Sequence[ShardingUnit], assignment: Assignment, world_size: int) -> list[int]:
+    loads = [0] * world_size
+    for i, shards in assignment.items():
+        for shard in shards:
+            loads[shard.rank] += shard.rows * units[i].row_bytes
+    return loads
+
+
+def _place_dense_greedily(units: Sequence[ShardingUnit], loads: Sequence[int]) -> Assignment:
+    """Each dense unit whole, largest first, onto its holder with the fewest bytes so far.
+
+    Ties go to the earlier unit and the lower rank, so every rank computes the same placement. A heap of
+    (bytes, rank) makes this O(log ranks) per unit when dense units are held everywhere; ranks that do not
+    hold a unit are set aside and pushed back.
+    """
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    dense = sorted((i for i, unit in enumerate(units) if unit.kind == "dense"), key=lambda i: -units[i].nbytes)
+    assignment: Assignment = {}
+    for i in dense:
+        unit = units[i]
+        skipped: list[tuple[int, int]] = []
+        load, rank = heapq.heappop(heap)
+        while rank not in unit.holders:
+            skipped.append((load, rank))
+            load, rank = heapq.heappop(heap)
+        assignment[i] = _whole(unit, rank)
+        heapq.heappush(heap, (load + unit.nbytes, rank))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return assignment
+
+
+def _equal(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """Dense placement from zero loads: fixed once, whatever the selection (section 4.2)."""
+    return {**_split_experts(units), **_place_dense_greedily(units, [0] * world_size)}
+
+
+def _adaptive(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """Dense placement from the expert loads this selection leaves (section 4.3)."""
+    experts = _split_experts(units)
+    return {**experts, **_place_dense_greedily(units, _rank_bytes(units, experts, world_size))}
+
+
+def _rank0(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """Lowest holder writes: rank 0 for dense units, the EP-group-0 replica for experts (Figure 7a)."""
+    return {i: _whole(unit, unit.holders[0]) for i, unit in enumerate(units)}
+
+
+def _dcp_default(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """``dedup_save_plans`` of torch 2.13, with each unit as one write item held by its holders.
+
+    DCP visits write items in first-seen order over the ranks' plans (rank 0's items, then rank 1's new
+    ones, ...); with every rank listing its units in input order, that is the input stably sorted by lowest
+    holder. Each item goes whole to the holder with the smallest planned size so far, ties resolved in the
+    iteration order of a Python ``set`` of the holders filled in ascending order, exactly as DCP builds it;
+    an empty item counts as 1 byte, as in DCP. Approximation: real DCP sees one item per tensor (each
+    parameter and each optimizer-state tensor), so it balances at a finer grain than one item per unit.
+    """
+    plan_size = [0] * world_size
+    assignment: Assignment = {}
+    for i in sorted(range(len(units)), key=lambda i: units[i].holders[0]):
+        unit = units[i]
+        rank = min(set(unit.holders), key=plan_size.__getitem__)
+        plan_size[rank] += unit.nbytes or 1
+        assignment[i] = _whole(unit, rank)
+    return assignment
+
+
+_STRATEGIES: Mapping[str, Callable[[Sequence[ShardingUnit], int], Assignment]] = {
+    "equal": _equal,
+    "adaptive": _adaptive,
+    "rank0": _rank0,
+    "dcp_default": _dcp_default,
+}
+STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
+"""Names accepted by ``plan_ownership``."""
+
+
+def _check_inputs(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> None:
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    seen: set[str] = set()
+    for unit in units:
+        if unit.key in seen:
+            raise ValueError(f"unit key {unit.key!r} appears twice; keys must be unique")
+        seen.add(unit.key)
+        if unit.holders[-1] >= topology.world_size:
+            raise ValueError(
+                f"unit {unit.key!r} names holder rank {unit.holders[-1]}, "
+                f"outside world_size={topology.world_size}"
+            )
+
+
+def compute_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> Ownership:
+    """Ownership of ``units`` under ``strategy`` (one of ``STRATEGIES``), computed afresh.
+
+    Cost is linear in the number of (unit, replica) pairs; prefer the cached ``plan_ownership``.
+    """
+    units = tuple(units)
+    _check_inputs(units, topology, strategy)
+    assignment = _STRATEGIES[strategy](units, topology.world_size)
+    return Ownership(
+        strategy=strategy,
+        topology=topology,
+        units=units,
+        shards=tuple(assignment[i] for i in range(len(units))),
+        rank_bytes=tuple(_rank_bytes(units, assignment, topology.world_size)),
+    )
+
+
+_cached_ownership = lru_cache(maxsize=32)(compute_ownership)
+"""32 entries hold a full rotation of both levels' selections (ceil(N/K) each) for N <= 16 experts."""
+
+
+def plan_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str = "adaptive") -> Ownership:
+    """Ownership of ``units`` under ``strategy``, reused while the same units and topology come back."""
+    return _cached_ownership(tuple(units), topology, strategy)

@@ -1,0 +1,221 @@
+"""Ownership must write every selected byte exactly once, only from a holder, and spread the bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from moc_lightning.sharding import (
+    STRATEGIES,
+    Ownership,
+    ShardingUnit,
+    Topology,
+    compute_ownership,
+    plan_ownership,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[tuple[ShardingUnit, ...], Topology]:
+    """A random topology, a random PEC selection of experts per layer, and a few dense units, shuffled."""
+    topology = Topology(world_size=(ep := draw(st.integers(1, 4))) * draw(st.integers(1, 4)), ep=ep)
+    per_rank = draw(st.integers(1, 3))
+    as_tuple = draw(st.booleans())  # holders as a tuple instead of a range: both must work
+
+    def holders(ranks: range) -> tuple[int, ...] | range:
+        return tuple(ranks) if as_tuple else ranks
+
+    sizes = st.tuples(st.integers(0, 40), st.integers(1, 8))
+    units = []
+    for layer in range(draw(st.integers(0, 3))):
+        for expert in sorted(draw(st.sets(st.integers(0, ep * per_rank - 1)))):
+            rows, row_bytes = draw(sizes)
+            units.append(
+                ShardingUnit(
+                    f"expert({layer}, {expert})",
+                    "expert",
+                    rows,
+                    row_bytes,
+                    holders(topology.replicas(expert // per_rank)),
+                    layer=layer,
+                    expert=expert,
+                )
+            )
+    for name in range(draw(st.integers(0, 6))):
+        rows, row_bytes = draw(sizes)
+        units.append(ShardingUnit(f"dense({name})", "dense", rows, row_bytes, holders(topology.ranks())))
+    return tuple(draw(st.permutations(units))), topology
+
+
+def unit_bytes_by_rank(ownership: Ownership, kind: str) -> list[int]:
+    loads = [0] * ownership.topology.world_size
+    for unit, shards in zip(ownership.units, ownership.shards):
+        if unit.kind == kind:
+            for shard in shards:
+                loads[shard.rank] += shard.rows * unit.row_bytes
+    return loads
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts(), st.sampled_from(STRATEGIES))
+def test_every_byte_written_once_by_a_holder(layout: tuple[tuple[ShardingUnit, ...], Topology], strategy: str) -> None:
+    units, topology = layout
+    ownership = compute_ownership(units, topology, strategy)
+    assert ownership.units == units
+    for unit in units:
+        shards = ownership.shards_of(unit.key)
+        assert all(shard.rank in unit.holders for shard in shards)
+        assert [shard.row_start for shard in shards] == [0] + [shard.row_stop for shard in shards[:-1]]
+        assert shards[-1].row_stop == unit.rows
+        assert all(shard.rows > 0 for shard in shards) or shards == (shards[0],)
+    assert sum(ownership.rank_bytes) == sum(unit.nbytes for unit in units)
+    for rank in range(topology.world_size):
+        writes = ownership.writes_of(rank)
+        assert sum(shard.rows * unit.row_bytes for unit, shard in writes) == ownership.rank_bytes[rank]
+        assert all(shard.rank == rank for _, shard in writes)
+    assert sum(len(ownership.writes_of(rank)) for rank in range(topology.world_size)) == sum(map(len, ownership.shards))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts(), st.sampled_from(["equal", "adaptive"]))
+def test_equal_and_adaptive_split_experts_evenly_and_bound_the_busiest_rank(
+    layout: tuple[tuple[ShardingUnit, ...], Topology], strategy: str
+) -> None:
+    units, topology = layout
+    ownership = compute_ownership(units, topology, strategy)
+    for unit, shards in zip(units, ownership.shards):
+        if unit.kind == "dense":
+            assert len(shards) == 1
+        elif unit.rows >= len(unit.holders):
+            assert [shard.rank for shard in shards] == list(unit.holders)
+            assert max(s.rows for s in shards) - min(s.rows for s in shards) <= 1
+    dense = [unit.nbytes for unit in units if unit.kind == "dense"]
+    largest = max(dense, default=0)
+    if strategy == "equal":  # dense bytes alone are balanced, whatever the experts do
+        assert max(unit_bytes_by_rank(ownership, "dense")) <= sum(dense) / topology.world_size + largest
+    else:  # greedy onto the lightest rank: never above the ideal plus one dense unit, or the expert peak
+        experts = unit_bytes_by_rank(ownership, "expert")
+        assert ownership.busiest_bytes <= max(max(experts), ownership.ideal_bytes + largest)
+
+
+def test_balanced_layout_is_perfectly_even() -> None:
+    topology = Topology(world_size=4, ep=2)
+    experts = [
+        ShardingUnit(f"expert(0, {e})", "expert", 8, 3, topology.replicas(e), layer=0, expert=e) for e in range(2)
+    ]
+    dense = [ShardingUnit(f"dense({d})", "dense", 5, 2, topology.ranks()) for d in range(4)]
+    for strategy in ("equal", "adaptive"):
+        assert compute_ownership(experts + dense, topology, strategy).rank_bytes == (22, 22, 22, 22)
+
+
+def test_adaptive_fills_the_rank_the_selection_left_light() -> None:
+    topology = Topology(world_size=2, ep=2)
+    units = [
+        ShardingUnit("expert(0, 0)", "expert", 10, 1, topology.replicas(0), layer=0, expert=0),
+        ShardingUnit("dense(embedding)", "dense", 10, 1, topology.ranks()),
+    ]
+    assert compute_ownership(units, topology, "adaptive").rank_bytes == (10, 10)
+    assert compute_ownership(units, topology, "equal").rank_bytes == (20, 0)  # dense placed ignoring experts
+
+
+@settings(max_examples=30, deadline=None)
+@given(layouts())
+def test_rank0_writes_dense_on_rank0_and_experts_in_ep_group0(layout: tuple[tuple[ShardingUnit, ...], Topology]) -> None:
+    units, topology = layout
+    ownership = compute_ownership(units, topology, "rank0")
+    for unit, shards in zip(units, ownership.shards):
+        assert len(shards) == 1
+        assert shards[0].rank == 0 if unit.kind == "dense" else shards[0].rank < topology.ep
+
+
+def dcp_plans(units: tuple[ShardingUnit, ...], world_size: int) -> list[SavePlan]:
+    """Each rank's DCP plan: one uint8 tensor item per unit it holds, in unit order."""
+
+    def item(unit: ShardingUnit) -> WriteItem:
+        size = torch.Size([unit.nbytes])
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=size)
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.uint8), size=size)
+        return WriteItem(index=MetadataIndex(unit.key), type=WriteItemType.TENSOR, tensor_data=data)
+
+    return [SavePlan([item(unit) for unit in units if rank in unit.holders]) for rank in range(world_size)]
+
+
+@st.composite
+def arbitrary_holders(draw: st.DrawFn) -> tuple[tuple[ShardingUnit, ...], Topology]:
+    """Units on arbitrary rank subsets of up to 40 ranks, so that Python set order is not ascending."""
+    topology = Topology(world_size=draw(st.integers(1, 40)), ep=1)
+    units = []
+    for name in range(draw(st.integers(1, 12))):
+        holders = draw(st.sets(st.integers(0, topology.world_size - 1), min_size=1))
+        rows = draw(st.integers(0, 6))
+        units.append(ShardingUnit(f"dense({name})", "dense", rows, 1, tuple(sorted(holders))))
+    return tuple(units), topology
+
+
+@settings(max_examples=60, deadline=None)
+@given(arbitrary_holders())
+def test_dcp_default_matches_torch_dedup_save_plans(layout: tuple[tuple[ShardingUnit, ...], Topology]) -> None:
+    units, topology = layout
+    deduplicated = dedup_save_plans(dcp_plans(units, topology.world_size))
+    writer = {item.index.fqn: rank for rank, plan in enumerate(deduplicated) for item in plan.items}
+    ownership = compute_ownership(units, topology, "dcp_default")
+    assert {unit.key: shards[0].rank for unit, shards in zip(units, ownership.shards)} == writer
+
+
+def test_plan_is_cached_while_the_selection_repeats() -> None:
+    topology = Topology(world_size=2, ep=1)
+    units = [ShardingUnit("dense(a)", "dense", 3, 1, topology.ranks())]
+    first = plan_ownership(units, topology, "adaptive")
+    assert plan_ownership(list(units), topology, "adaptive") is first
+    assert plan_ownership(units, topology, "equal") is not first
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: compute_ownership([], Topology(2, 1), "fastest"), "allowed: equal, adaptive, rank0, dcp_default"),
+        (lambda: Topology(world_size=6, ep=4), "ep >= 1 that divides it"),
+        (lambda: Topology(2, 1).replicas(1), "ep_rank=1"),
+        (lambda: ShardingUnit("e", "expert", 1, 1, range(2)), "layer and expert are required"),
+        (lambda: ShardingUnit("d", "moe", 1, 1, range(2)), "kind='moe'"),
+        (lambda: ShardingUnit("d", "dense", 1, 1, (1, 0)), "ascending"),
+        (lambda: ShardingUnit("d", "dense", 1, 1, ()), "at least one rank"),
+        (lambda: ShardingUnit("d", "dense", -1, 1, range(2)), "rows=-1"),
+        (lambda: compute_ownership([ShardingUnit("d", "dense", 1, 1, range(3))], Topology(2, 1), "equal"), "outside"),
+        (
+            lambda: compute_ownership([ShardingUnit("d", "dense", 1, 1, range(2))] * 2, Topology(2, 1), "equal"),
+            "appears twice",
+        ),
+        (lambda: compute_ownership([], Topology(2, 1), "equal").writes_of(2), "rank=2"),
+    ],
+)
+def test_bad_inputs_name_the_option_and_what_is_allowed(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_report_writes_the_required_json(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "recipes/sharding_report.py", f"out={out}", "plan_ranks=32"]
+    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, timeout=60)
+    report = json.loads(out.read_text())
+    assert {"case", "strategy", "k", "busiest_bytes", "ideal_bytes", "ratio"} <= report["rows"][0].keys()
+    assert {(row["case"], row["strategy"], row["k"]) for row in report["rows"]} == {
+        (case, strategy, k) for case in ("Case1", "Case2", "Case3") for strategy in STRATEGIES for k in (16, 1)
+    }
+    assert all({"ranks", "seconds"} <= timing.keys() for timing in report["plan_time"])
