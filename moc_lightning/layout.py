@@ -1,0 +1,388 @@
+"""Layout: the map from a model and its optimizer to units, built once from parameter names.
+
+Every named parameter belongs to exactly one unit, and so does its per-parameter optimizer state (Adam's
+``exp_avg``/``exp_avg_sq``/``step``, SGD's ``momentum_buffer``, ...): PEC on weights alone would save the
+wrong 14% of a checkpoint, since expert optimizer state is its bulk.
+
+Experts are found by regular expressions over parameter names. A pattern is matched at the start of the
+name (``re.match``) and has a named group ``layer`` (the MoE layer's module prefix) and, for one module per
+expert, a group ``expert`` (the expert's index); the rest of the name after the match is the parameter's
+name inside the expert. A pattern without an ``expert`` group matches a *stacked* parameter of shape
+``[E, ...]`` whose slice ``[i]`` is local expert ``i``. ``expert_offset`` turns local indices (stacked
+positions, Megatron ``local_experts.{i}``, DeepSpeed ``deepspeed_experts.{i}``) into global ids; the
+reference model already names experts by global id, so it needs the default offset 0.
+
+Non-expert parameters form dense units at layer granularity: the module one level below the MoE layer
+(its router) or below the transformer block (the first integer-indexed module in the name: attention,
+FFN, norms), and otherwise the parameter's own module (embeddings, final norm, head).
+
+Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
+create it lazily at their first step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
+
+PER_MODULE_PATTERNS: tuple[str, ...] = (
+    # reference model (moe.experts.{e}.fc.weight), Mixtral (block_sparse_moe.experts.{e}.w1.weight),
+    # Qwen-MoE / DeepSeek (mlp.experts.{e}.gate_proj.weight)
+    r"(?P<layer>.+?)\.experts\.(?P<expert>\d+)\.",
+    # DeepSpeed-MoE
+    r"(?P<layer>.+?\.deepspeed_moe)\.experts\.deepspeed_experts\.(?P<expert>\d+)\.",
+    # Megatron-LM SequentialMLP
+    r"(?P<layer>.+?)\.experts\.local_experts\.(?P<expert>\d+)\.",
+)
+STACKED_PATTERNS: tuple[str, ...] = (
+    # a parameter held directly by an ``experts`` module with leading dim E (grouped GEMM, HF fused experts)
+    r"(?P<layer>.+?)\.experts\.(?=[^.]+$)",
+)
+PRESETS: Mapping[str, tuple[str, ...]] = {
+    "auto": PER_MODULE_PATTERNS + STACKED_PATTERNS,
+    "per_module": PER_MODULE_PATTERNS,
+    "stacked": STACKED_PATTERNS,
+}
+
+ExpertOffset = int | Callable[[str], int]
+"""Global id of local expert 0: one int for every MoE layer, or a function of the MoE layer's prefix."""
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter, or one expert's slice of a stacked parameter, as owned by a unit."""
+
+    param: str
+    """Fully qualified parameter name."""
+    local_name: str
+    """Name inside the unit (``fc.weight`` for an expert): the same for every expert, EP degree and rank."""
+    index: int | None = None
+    """Position along dim 0 of a stacked ``[E, ...]`` parameter; ``None`` when the unit owns it whole."""
+
+    @property
+    def is_view(self) -> bool:
+        """True when the unit's tensors are views into a stacked parameter shared with other experts."""
+        return self.index is not None
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One MoE layer: its ordinal (the ``layer`` of its expert units), module prefix and experts."""
+
+    index: int
+    prefix: str
+    num_experts: int
+    """Global number of experts N."""
+    local_experts: tuple[int, ...]
+    """Global ids of the experts whose parameters live on this rank."""
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """Bytes of a unit, read from the live tensors (``numel * element_size``)."""
+
+    weights: int
+    optimizer: int
+    weight_numel: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer
+
+
+def param_key(unit: Unit, local_name: str) -> str:
+    """State-dict key of a unit's weight."""
+    return f"{unit.key}/param/{local_name}"
+
+
+def state_key(unit: Unit, local_name: str, state_name: str) -> str:
+    """State-dict key of one optimizer state entry of a unit's weight."""
+    return f"{unit.key}/optim/{local_name}/{state_name}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Units of a model and optimizer; hands out their tensors as a flat DCP-ready ``key -> tensor`` dict.
+
+    The tensors are views that share storage with the live parameters and optimizer state (slices for
+    stacked experts), so a DCP load into them restores in place; ``copy_in`` does the same for tensors
+    loaded elsewhere (a peer's snapshot slot).
+    """
+
+    slots: Mapping[Unit, tuple[ParamSlot, ...]]
+    moe_layers: tuple[MoeLayer, ...]
+    params: Mapping[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+
+    @cached_property
+    def units(self) -> tuple[Unit, ...]:
+        return tuple(sorted(self.slots))
+
+    @cached_property
+    def expert_units(self) -> tuple[ExpertUnit, ...]:
+        return tuple(u for u in self.units if isinstance(u, ExpertUnit))
+
+    @cached_property
+    def dense_units(self) -> tuple[DenseUnit, ...]:
+        return tuple(u for u in self.units if isinstance(u, DenseUnit))
+
+    @property
+    def num_experts(self) -> tuple[int, ...]:
+        """N of each MoE layer, by ordinal."""
+        return tuple(layer.num_experts for layer in self.moe_layers)
+
+    def param_names(self, unit: Unit) -> tuple[str, ...]:
+        return tuple(slot.param for slot in self.slots[unit])
+
+    def tensors(self, units: Iterable[Unit] | None = None) -> dict[str, torch.Tensor]:
+        """Weights and optimizer state of ``units`` (all units by default) as detached in-place views."""
+        chosen = self.units if units is None else units
+        return {key: tensor for unit in chosen for key, tensor, _ in self._entries(unit)}
+
+    def unit_bytes(self, unit: Unit) -> UnitBytes:
+        """Bytes the unit would write now; optimizer bytes are 0 until the optimizer has created its state."""
+        weights = optimizer = numel = 0
+        for _, tensor, is_weight in self._entries(unit):
+            size = tensor.numel() * tensor.element_size()
+            if is_weight:
+                weights += size
+                numel += tensor.numel()
+            else:
+                optimizer += size
+        return UnitBytes(weights=weights, optimizer=optimizer, weight_numel=numel)
+
+    def _entries(self, unit: Unit) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """``(key, tensor, is_weight)`` for each weight of ``unit`` followed by its optimizer state."""
+        for slot in self.slots[unit]:
+            param = self.params[slot.param]
+            yield param_key(unit, slot.local_name), _take(param.detach(), slot.index, param.shape), True
+            for state_name, value in self._state(slot.param).items():
+                yield state_key(unit, slot.local_name, state_name), _take(value, slot.index, param.shape), False
+
+    def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
+        """Copy loaded tensors into the live parameters and optimizer state, in place.
+
+        A stacked parameter's non-sliceable state (Adam's scalar ``step``) is shared by all its experts,
+        so it takes the value of whichever of them is copied last.
+        """
+        targets = self.tensors({_unit_of(key, self.slots) for key in loaded})
+        missing = sorted(set(loaded) - set(targets))
+        if missing:
+            raise KeyError(
+                f"no live tensor for keys {missing[:5]}{' ...' if len(missing) > 5 else ''}; optimizer state "
+                "exists only after the first step (call materialize_optimizer_state before loading)"
+            )
+        wrong = [(k, list(t.shape), list(targets[k].shape)) for k, t in loaded.items() if t.shape != targets[k].shape]
+        if wrong:
+            raise ValueError(f"loaded tensors do not match the live shapes (key, loaded, live): {wrong[:5]}")
+        with torch.no_grad():
+            for key, tensor in loaded.items():
+                targets[key].copy_(tensor)
+
+    def _state(self, param_name: str) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            return {}
+        state = self.optimizer.state.get(self.params[param_name], {})
+        bad = [k for k, v in state.items() if v is not None and not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(
+                f"optimizer state {bad} of parameter {param_name!r} is not a tensor; only optimizers whose "
+                "per-parameter state is tensors are supported"
+            )
+        return {k: v for k, v in state.items() if v is not None}
+
+
+def _unit_of(key: str, slots: Mapping[Unit, tuple[ParamSlot, ...]]) -> Unit:
+    unit = parse_unit(key)
+    if unit not in slots:
+        raise KeyError(f"key {key!r} belongs to unit {unit.key!r}, which this layout does not hold")
+    return unit
+
+
+def _take(tensor: torch.Tensor, index: int | None, param_shape: torch.Size) -> torch.Tensor:
+    """The expert's slice of a stacked tensor; state that is not ``[E, ...]`` (a scalar step) is shared."""
+    if index is None or tensor.dim() == 0 or tensor.shape[0] != param_shape[0]:
+        return tensor
+    return tensor[index]
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazy per-parameter state without changing any parameter.
+
+    A restarted run must load into existing state tensors; optimizers create them at the first step.
+    One step with zero gradients and learning rate 0 creates them (weight decay scales by ``1 - lr*wd``).
+    """
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p, grad in grads.items():
+            p.grad = grad
+
+
+@dataclass(frozen=True)
+class _Match:
+    layer_prefix: str
+    local_name: str
+    local_index: int | None
+    """Captured expert index; ``None`` for a stacked parameter."""
+
+
+def _compile(preset: str | Sequence[str]) -> tuple[re.Pattern[str], ...]:
+    sources = PRESETS.get(preset, (preset,)) if isinstance(preset, str) else tuple(preset)
+    patterns = []
+    for source in sources:
+        try:
+            pattern = re.compile(source)
+        except re.error as err:
+            raise ValueError(
+                f"preset {source!r} is neither one of {sorted(PRESETS)} nor a valid regular expression: {err}"
+            ) from None
+        if "layer" not in pattern.groupindex:
+            raise ValueError(
+                f"expert pattern {source!r} needs a named group 'layer' (the MoE layer prefix); it may also "
+                "have a group 'expert' (the expert index; without it the parameter is a stacked [E, ...] tensor)"
+            )
+        patterns.append(pattern)
+    return tuple(patterns)
+
+
+def _match(name: str, patterns: Sequence[re.Pattern[str]]) -> _Match | None:
+    hits = [(p, m) for p in patterns if (m := p.match(name))]
+    if len(hits) > 1:
+        raise ValueError(
+            f"parameter {name!r} matches more than one expert pattern: {[p.pattern for p, _ in hits]}; "
+            "give patterns that match each expert parameter once"
+        )
+    if not hits:
+        return None
+    pattern, m = hits[0]
+    local_name = name[m.end() :].lstrip(".")
+    if not local_name:
+        raise ValueError(
+            f"expert pattern {pattern.pattern!r} consumed all of parameter {name!r}; "
+            "it must stop before the name inside the expert"
+        )
+    index = int(m["expert"]) if "expert" in pattern.groupindex else None
+    return _Match(layer_prefix=m["layer"], local_name=local_name, local_index=index)
+
+
+def _dense_name(name: str, moe_prefixes: Iterable[str]) -> str:
+    """Module at layer granularity owning non-expert parameter ``name`` (see module docstring)."""
+    parts = name.split(".")
+    anchor = next((len(p.split(".")) for p in moe_prefixes if name.startswith(p + ".")), None)
+    if anchor is None:
+        anchor = next((i + 1 for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+    if anchor is None:
+        return ".".join(parts[:-1]) or name
+    return ".".join(parts[: min(anchor + 1, len(parts) - 1)])
+
+
+def _offset(expert_offset: ExpertOffset, prefix: str) -> int:
+    return expert_offset(prefix) if callable(expert_offset) else expert_offset
+
+
+def build_layout(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    preset: str | Sequence[str] = "auto",
+    expert_offset: ExpertOffset = 0,
+    num_experts: int | None = None,
+) -> Layout:
+    """Map every named parameter of ``model`` (and its optimizer state) to exactly one unit.
+
+    Args:
+        preset: ``"auto"``, ``"per_module"``, ``"stacked"``, a custom regular expression, or a sequence of
+            regular expressions (see the module docstring for the group names).
+        expert_offset: global id of local expert 0 (per MoE layer prefix when a callable).
+        num_experts: global experts per MoE layer; defaults to the experts found here (no expert parallelism).
+    """
+    patterns = _compile(preset)
+    params = dict(model.named_parameters())
+    matches = {name: m for name in params if (m := _match(name, patterns))}
+    if not matches:
+        raise ValueError(
+            f"no expert parameters found with preset {preset!r} among {len(params)} parameters "
+            f"(first: {list(params)[:5]}); choose one of {sorted(PRESETS)} or give a regular expression"
+        )
+    prefixes = list(dict.fromkeys(m.layer_prefix for m in matches.values()))
+    layer_of = {prefix: i for i, prefix in enumerate(prefixes)}
+
+    slots: dict[Unit, list[ParamSlot]] = {}
+    for name, param in params.items():
+        if (m := matches.get(name)) is None:
+            unit: Unit = DenseUnit(_dense_name(name, prefixes))
+            slots.setdefault(unit, []).append(ParamSlot(name, name[len(unit.name) :].lstrip(".") or name))
+            continue
+        offset = _offset(expert_offset, m.layer_prefix)
+        for local_id, index in _placements(name, param, m):
+            unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
+            slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index))
+
+    _check_unique_keys(slots)
+    moe_layers = tuple(_moe_layer(i, prefix, slots, num_experts) for i, prefix in enumerate(prefixes))
+    return Layout(
+        slots={unit: tuple(s) for unit, s in slots.items()},
+        moe_layers=moe_layers,
+        params=params,
+        optimizer=optimizer,
+    )
+
+
+def _placements(name: str, param: nn.Parameter, m: _Match) -> list[tuple[int, int | None]]:
+    """``(local expert id, slice index)`` of each expert holding a part of expert parameter ``name``."""
+    if m.local_index is not None:
+        return [(m.local_index, None)]
+    if param.dim() == 0:
+        raise ValueError(f"stacked expert parameter {name!r} is a scalar; it needs a leading expert dim [E, ...]")
+    return [(i, i) for i in range(param.shape[0])]
+
+
+def _moe_layer(index: int, prefix: str, slots: Mapping[Unit, list[ParamSlot]], num_experts: int | None) -> MoeLayer:
+    experts = {
+        u.expert: {s.local_name for s in unit_slots}
+        for u, unit_slots in slots.items()
+        if isinstance(u, ExpertUnit) and u.layer == index
+    }
+    local = tuple(sorted(experts))
+    shapes = {tuple(sorted(names)) for names in experts.values()}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"experts of MoE layer {prefix!r} hold different parameters {sorted(shapes)}; stacked tensors must "
+            "share their leading dim E and every expert module must have the same parameters"
+        )
+    n = len(local) if num_experts is None else num_experts
+    if local[-1] >= n:
+        raise ValueError(
+            f"MoE layer {prefix!r} has global expert ids {list(local)} but num_experts={n}; ids must be in "
+            "[0, num_experts) (check num_experts and expert_offset)"
+        )
+    return MoeLayer(index=index, prefix=prefix, num_experts=n, local_experts=local)
+
+
+def _check_unique_keys(slots: Mapping[Unit, list[ParamSlot]]) -> None:
+    """Two parameters must not land on the same key (e.g. an expert offset that folds ids together)."""
+    for unit, unit_slots in slots.items():
+        seen: dict[str, str] = {}
+        for slot in unit_slots:
+            if slot.local_name in seen:
+                raise ValueError(
+                    f"parameters {seen[slot.local_name]!r} and {slot.param!r} both map to "
+                    f"{param_key(unit, slot.local_name)!r}; check expert_offset and the expert patterns"
+                )
+            seen[slot.local_name] = slot.param

@@ -1,0 +1,83 @@
+"""Checkpoint size model (eq. 5 and 6) from a layout, and the bytes a checkpoint really wrote.
+
+``P_ne`` and ``P_e`` count parameters of the whole model: under expert parallelism a rank sees only its
+local experts, so each MoE layer's expert parameters are its per-expert count (from the local experts)
+times N. ``B_w`` and ``B_o`` are bytes per parameter read from the live tensors (weights, and optimizer
+state once the optimizer has created it), not assumed from a dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from moc_lightning.layout import Layout, UnitBytes
+from moc_lightning.units import ExpertUnit, Unit
+
+
+@dataclass(frozen=True)
+class SizeModel:
+    """The terms of eq. 5 and 6."""
+
+    p_ne: int
+    """Non-expert parameters."""
+    p_e_per_layer: tuple[int, ...]
+    """Expert parameters of each MoE layer, all N experts."""
+    num_experts: tuple[int, ...]
+    b_w: float
+    """Weight bytes per parameter."""
+    b_o: float
+    """Optimizer-state bytes per parameter."""
+
+    @property
+    def p_e(self) -> int:
+        return sum(self.p_e_per_layer)
+
+    def c_full(self) -> float:
+        """Eq. 5: bytes of a checkpoint of every parameter."""
+        return (self.p_ne + self.p_e) * (self.b_w + self.b_o)
+
+    def c_pec(self, k: int) -> float:
+        """Eq. 6: bytes of a checkpoint of all non-expert parameters and ``k`` experts per MoE layer."""
+        saved_experts = sum(min(k, n) / n * p for n, p in zip(self.num_experts, self.p_e_per_layer))
+        return (self.p_ne + saved_experts) * (self.b_w + self.b_o)
+
+
+def size_model(layout: Layout) -> SizeModel:
+    """Eq. 5/6 terms of the model behind ``layout``."""
+    sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}
+    p_ne = sum(b.weight_numel for u, b in sizes.items() if not isinstance(u, ExpertUnit))
+    p_e_per_layer = tuple(
+        _per_expert([b for u, b in sizes.items() if isinstance(u, ExpertUnit) and u.layer == layer.index], layer.prefix)
+        * layer.num_experts
+        for layer in layout.moe_layers
+    )
+    numel = sum(b.weight_numel for b in sizes.values())
+    return SizeModel(
+        p_ne=p_ne,
+        p_e_per_layer=p_e_per_layer,
+        num_experts=layout.num_experts,
+        b_w=sum(b.weights for b in sizes.values()) / numel,
+        b_o=sum(b.optimizer for b in sizes.values()) / numel,
+    )
+
+
+def _per_expert(local: list[UnitBytes], prefix: str) -> int:
+    counts = {b.weight_numel for b in local}
+    if len(counts) != 1:
+        raise ValueError(
+            f"experts of MoE layer {prefix!r} differ in parameter count {sorted(counts)}; eq. 5/6 assume equal experts"
+        )
+    return counts.pop()
+
+
+def expected_bytes(layout: Layout, units: Iterable[Unit]) -> int:
+    """Exact bytes of ``units`` on this rank now (weights and optimizer state), what a save of them writes."""
+    return sum(layout.unit_bytes(unit).total for unit in units)
+
+
+def bytes_written(directory: str | os.PathLike[str]) -> int:
+    """Bytes of all files under ``directory``: what a checkpoint actually put on storage, metadata included."""
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())

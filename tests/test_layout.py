@@ -1,0 +1,348 @@
+from collections.abc import Mapping
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from moc_lightning.layout import Layout, build_layout, materialize_optimizer_state
+from moc_lightning.units import DenseUnit, ExpertUnit, dense, expert
+
+
+def model_from_names(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A module tree whose named parameters are exactly ``shapes`` (in order), like any real model's."""
+    root = nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.randn(shape, dtype=dtype)))
+    return root
+
+
+def stepped(
+    model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, **kwargs: float
+) -> torch.optim.Optimizer:
+    """One optimizer step so that per-parameter state exists."""
+    optimizer = optimizer_cls(model.parameters(), lr=1e-2, **kwargs)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return optimizer
+
+
+def reference_names(experts: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.wte.weight": (10, 4), "model.wpe.weight": (8, 4)}
+    for block in range(2):
+        p = f"model.blocks.{block}"
+        shapes |= {
+            f"{p}.ln1.weight": (4,),
+            f"{p}.ln1.bias": (4,),
+            f"{p}.attn.qkv.weight": (12, 4),
+            f"{p}.attn.proj.weight": (4, 4),
+        }
+        shapes |= {f"{p}.ln2.weight": (4,), f"{p}.ln2.bias": (4,)}
+        if block == 0:
+            shapes |= {f"{p}.mlp.fc.weight": (8, 4), f"{p}.mlp.proj.weight": (4, 8)}
+        else:
+            shapes[f"{p}.moe.router.weight"] = (4, 4)
+            for e in experts:
+                shapes |= {f"{p}.moe.experts.{e}.fc.weight": (8, 4), f"{p}.moe.experts.{e}.fc.bias": (8,)}
+                shapes |= {f"{p}.moe.experts.{e}.proj.weight": (4, 8), f"{p}.moe.experts.{e}.proj.bias": (4,)}
+    return shapes | {"model.ln_f.weight": (4,), "model.ln_f.bias": (4,)}
+
+
+def per_module_names(
+    block: str, moe: str, expert: str, router: str, leaves: tuple[str, ...]
+) -> dict[str, tuple[int, ...]]:
+    """Two transformer blocks, each with attention, a norm, a router and two experts."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (10, 4)}
+    for l in range(2):
+        b = block.format(l=l)
+        shapes |= {
+            f"{b}.self_attn.q_proj.weight": (4, 4),
+            f"{b}.input_layernorm.weight": (4,),
+            f"{b}.{moe}.{router}": (2, 4),
+        }
+        for e in range(2):
+            shapes |= {f"{b}.{moe}.{expert.format(e=e)}.{leaf}": (6, 4) for leaf in leaves}
+    return shapes | {"model.norm.weight": (4,), "lm_head.weight": (10, 4)}
+
+
+PRESET_LAYOUTS = {  # style: (block, MoE module under it, expert path under that, router, parameters of an expert)
+    "mixtral": ("model.layers.{l}", "block_sparse_moe", "experts.{e}", "gate.weight", ("w1.weight", "w2.weight")),
+    "qwen": ("model.layers.{l}", "mlp", "experts.{e}", "gate.weight", ("gate_proj.weight", "down_proj.weight")),
+    "deepspeed": (
+        "layers.{l}",
+        "mlp.deepspeed_moe",
+        "experts.deepspeed_experts.{e}",
+        "gate.wg.weight",
+        ("dense_h_to_4h.weight",),
+    ),
+    "megatron": (
+        "decoder.layers.{l}",
+        "mlp",
+        "experts.local_experts.{e}",
+        "router.weight",
+        ("linear_fc1.weight", "linear_fc2.weight"),
+    ),
+}
+
+
+def assert_partition(layout: Layout, model: nn.Module) -> None:
+    """Every named parameter is owned by exactly one unit (whole, or one slice per expert when stacked)."""
+    owners: dict[str, list[int | None]] = {}
+    for unit in layout.units:
+        for slot in layout.slots[unit]:
+            owners.setdefault(slot.param, []).append(slot.index)
+    assert set(owners) == {name for name, _ in model.named_parameters()}
+    for name, indices in owners.items():
+        assert indices == [None] or sorted(indices) == list(range(dict(model.named_parameters())[name].shape[0])), name
+
+
+def test_reference_model_units_and_global_ids_under_ep() -> None:
+    model = model_from_names(reference_names(experts=(2, 3)))
+    layout = build_layout(model, stepped(model), num_experts=4)
+    assert_partition(layout, model)
+    assert layout.expert_units == (expert(0, 2), expert(0, 3))
+    assert layout.dense_units == tuple(
+        sorted(
+            dense(n)
+            for n in [
+                "model.wte",
+                "model.wpe",
+                "model.ln_f",
+                "model.blocks.0.ln1",
+                "model.blocks.0.attn",
+                "model.blocks.0.ln2",
+                "model.blocks.0.mlp",
+                "model.blocks.1.ln1",
+                "model.blocks.1.attn",
+                "model.blocks.1.ln2",
+                "model.blocks.1.moe.router",
+            ]
+        )
+    )
+    (layer,) = layout.moe_layers
+    assert (layer.index, layer.prefix, layer.num_experts, layer.local_experts) == (0, "model.blocks.1.moe", 4, (2, 3))
+    keys = set(layout.tensors([expert(0, 3)]))
+    assert {
+        "expert/L0/E3/param/fc.weight",
+        "expert/L0/E3/optim/fc.weight/exp_avg",
+        "expert/L0/E3/optim/fc.weight/exp_avg_sq",
+        "expert/L0/E3/optim/fc.weight/step",
+    } <= keys
+    assert len(keys) == 4 * 4  # fc/proj weight/bias, each with the weight and three AdamW state tensors
+
+
+@pytest.mark.parametrize("style", sorted(PRESET_LAYOUTS))
+@pytest.mark.parametrize("preset", ["auto", "per_module"])
+def test_per_module_presets(style: str, preset: str) -> None:
+    block, moe, expert_path, router, leaves = PRESET_LAYOUTS[style]
+    model = model_from_names(per_module_names(block, moe, expert_path, router, leaves))
+    layout = build_layout(model, stepped(model), preset=preset)
+    assert_partition(layout, model)
+    assert [l.prefix for l in layout.moe_layers] == [f"{block.format(l=l)}.{moe}" for l in range(2)]
+    assert layout.expert_units == (expert(0, 0), expert(0, 1), expert(1, 0), expert(1, 1))
+    assert {s.local_name for s in layout.slots[expert(1, 1)]} == set(leaves)
+    assert dense(f"{block.format(l=1)}.{moe}.{router.split('.')[0]}") in layout.dense_units
+    assert {dense("model.embed_tokens"), dense("model.norm"), dense("lm_head")} <= set(layout.dense_units)
+    b0 = block.format(l=0)
+    assert layout.param_names(dense(f"{b0}.self_attn")) == (f"{b0}.self_attn.q_proj.weight",)
+    assert layout.param_names(dense(f"{b0}.input_layernorm")) == (f"{b0}.input_layernorm.weight",)
+
+
+def test_qwen_shared_expert_is_dense() -> None:
+    model = model_from_names(
+        {
+            "m.layers.0.mlp.experts.0.up.weight": (2, 2),
+            "m.layers.0.mlp.shared_expert.up.weight": (2, 2),
+            "m.layers.0.mlp.shared_expert_gate.weight": (1, 2),
+        }
+    )
+    layout = build_layout(model, None)
+    assert layout.dense_units == (dense("m.layers.0.mlp.shared_expert"), dense("m.layers.0.mlp.shared_expert_gate"))
+
+
+def test_local_expert_indices_with_offset_int_and_callable() -> None:
+    model = model_from_names(per_module_names(*PRESET_LAYOUTS["megatron"]))
+    by_int = build_layout(model, None, expert_offset=2, num_experts=4)
+    assert by_int.expert_units == (expert(0, 2), expert(0, 3), expert(1, 2), expert(1, 3))
+    assert [l.local_experts for l in by_int.moe_layers] == [(2, 3), (2, 3)]
+    by_layer = build_layout(
+        model, None, expert_offset=lambda prefix: 2 if prefix.endswith("1.mlp") else 0, num_experts=4
+    )
+    assert by_layer.expert_units == (expert(0, 0), expert(0, 1), expert(1, 2), expert(1, 3))
+    with pytest.raises(ValueError, match=r"global expert ids \[2, 3\] but num_experts=3"):
+        build_layout(model, None, expert_offset=2, num_experts=3)
+
+
+def stacked_model(num_local: int = 3) -> nn.Module:
+    return model_from_names(
+        {
+            "model.embed.weight": (10, 4),
+            "model.layers.0.attn.qkv.weight": (12, 4),
+            "model.layers.0.mlp.gate.weight": (8, 4),
+            "model.layers.0.mlp.experts.w1": (num_local, 4, 6),
+            "model.layers.0.mlp.experts.w2": (num_local, 6, 4),
+        }
+    )
+
+
+def test_stacked_experts_are_views_of_dim0_slices_with_sliced_adam_state() -> None:
+    model = stacked_model()
+    optimizer = stepped(model, torch.optim.Adam)
+    layout = build_layout(model, optimizer, preset="stacked", expert_offset=5, num_experts=8)
+    assert_partition(layout, model)
+    assert layout.expert_units == (expert(0, 5), expert(0, 6), expert(0, 7))
+    slot = next(s for s in layout.slots[expert(0, 6)] if s.local_name == "w1")
+    assert (slot.param, slot.index, slot.is_view) == ("model.layers.0.mlp.experts.w1", 1, True)
+
+    w1 = dict(model.named_parameters())["model.layers.0.mlp.experts.w1"]
+    tensors = layout.tensors([expert(0, 6)])
+    torch.testing.assert_close(tensors["expert/L0/E6/param/w1"], w1[1])
+    torch.testing.assert_close(tensors["expert/L0/E6/optim/w1/exp_avg"], optimizer.state[w1]["exp_avg"][1])
+    assert tensors["expert/L0/E6/optim/w1/step"] is optimizer.state[w1]["step"]  # scalar state is shared
+    tensors["expert/L0/E6/param/w1"].fill_(7.0)
+    assert bool((w1[1] == 7.0).all()) and not bool((w1[0] == 7.0).any())
+
+    sizes = layout.unit_bytes(expert(0, 6))
+    assert sizes.weights == (4 * 6 + 6 * 4) * 4
+    assert sizes.optimizer == 2 * (4 * 6 + 6 * 4) * 4 + 2 * optimizer.state[w1]["step"].element_size()
+
+
+def test_auto_preset_finds_stacked_and_dense_names() -> None:
+    layout = build_layout(stacked_model(2), None)
+    assert layout.expert_units == (expert(0, 0), expert(0, 1))
+    assert layout.dense_units == (dense("model.embed"), dense("model.layers.0.attn"), dense("model.layers.0.mlp.gate"))
+
+
+def test_custom_regex_and_double_match_and_no_experts_errors() -> None:
+    model = model_from_names(
+        {"net.0.ffn.e3.weight": (2, 2), "net.0.ffn.e4.weight": (2, 2), "net.0.attn.weight": (2, 2)}
+    )
+    layout = build_layout(model, None, preset=r"(?P<layer>.+\.ffn)\.e(?P<expert>\d+)\.", num_experts=5)
+    assert layout.expert_units == (expert(0, 3), expert(0, 4))
+    assert (layout.moe_layers[0].prefix, layout.moe_layers[0].num_experts) == ("net.0.ffn", 5)
+    with pytest.raises(ValueError, match=r"'net\.0\.ffn\.e3\.weight' matches more than one expert pattern"):
+        build_layout(
+            model, None, preset=[r"(?P<layer>.+\.ffn)\.e(?P<expert>\d+)\.", r"(?P<layer>net\.0\.ffn)\.e(?P<expert>3)\."]
+        )
+    with pytest.raises(ValueError, match=r"no expert parameters found .*'net\.0\.attn\.weight'"):
+        build_layout(model_from_names({"net.0.attn.weight": (2, 2)}), None)
+    with pytest.raises(ValueError, match="named group 'layer'"):
+        build_layout(model, None, preset=r"net\.0\.ffn\.e(?P<expert>\d+)\.")
+    with pytest.raises(
+        ValueError, match=r"neither one of \['auto', 'per_module', 'stacked'\] nor a valid regular expression"
+    ):
+        build_layout(model, None, preset="per_modul(")
+
+
+def test_expert_ids_not_in_range_without_num_experts_are_rejected() -> None:
+    model = model_from_names({"net.0.ffn.e3.weight": (2, 2), "net.0.ffn.e4.weight": (2, 2)})
+    with pytest.raises(ValueError, match=r"global expert ids \[3, 4\] but num_experts=2"):
+        build_layout(model, None, preset=r"(?P<layer>.+\.ffn)\.e(?P<expert>\d+)\.")
+
+
+def test_bytes_are_read_from_real_tensors_and_sgd_momentum_follows_its_parameter() -> None:
+    model = model_from_names(reference_names(experts=(0, 1)), dtype=torch.float64)
+    layout = build_layout(model, stepped(model, torch.optim.SGD, momentum=0.9))
+    sizes = layout.unit_bytes(expert(0, 1))
+    numel = 8 * 4 + 8 + 4 * 8 + 4
+    assert (sizes.weights, sizes.optimizer, sizes.weight_numel) == (numel * 8, numel * 8, numel)
+    assert "expert/L0/E1/optim/fc.weight/momentum_buffer" in layout.tensors([expert(0, 1)])
+    assert build_layout(model, None).unit_bytes(expert(0, 1)).optimizer == 0
+
+
+def test_copy_in_restores_one_unit_in_place_and_rejects_unknown_keys() -> None:
+    model = model_from_names(reference_names(experts=(0, 1)))
+    optimizer = stepped(model)
+    layout = build_layout(model, optimizer)
+    saved = {k: v.clone() for k, v in layout.tensors([expert(0, 1), dense("model.wte")]).items()}
+    untouched = {k: v.clone() for k, v in layout.tensors([expert(0, 0)]).items()}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    layout.copy_in(saved)
+    for key, value in layout.tensors([expert(0, 1), dense("model.wte")]).items():
+        torch.testing.assert_close(value, saved[key])
+    assert not torch.equal(
+        layout.tensors([expert(0, 0)])["expert/L0/E0/param/fc.weight"], untouched["expert/L0/E0/param/fc.weight"]
+    )
+    with pytest.raises(KeyError, match="expert/L0/E1/optim/fc.weight/nope"):
+        layout.copy_in({"expert/L0/E1/optim/fc.weight/nope": torch.zeros(1)})
+    with pytest.raises(KeyError, match="does not hold"):
+        layout.copy_in({"expert/L0/E9/param/fc.weight": torch.zeros(1)})
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_round_trip_loads_in_place_including_stacked_views(tmp_path: object) -> None:
+    model = stacked_model()
+    optimizer = stepped(model, torch.optim.Adam)
+    layout = build_layout(model, optimizer)
+    units = [expert(0, 1), dense("model.embed")]
+    saved = {k: v.clone() for k, v in layout.tensors(units).items()}
+    dcp.save(layout.tensors(units), checkpoint_id=str(tmp_path))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    other = layout.tensors([expert(0, 0)])["expert/L0/E0/param/w1"].clone()
+    dcp.load(layout.tensors(units), checkpoint_id=str(tmp_path))
+    for key, value in layout.tensors(units).items():
+        torch.testing.assert_close(value, saved[key], msg=key)
+    torch.testing.assert_close(layout.tensors([expert(0, 0)])["expert/L0/E0/param/w1"], other)
+
+
+def test_materialize_optimizer_state_creates_state_without_moving_weights() -> None:
+    model = model_from_names(reference_names(experts=(0, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = build_layout(model, optimizer)
+    assert layout.unit_bytes(expert(0, 0)).optimizer == 0
+    materialize_optimizer_state(optimizer)
+    assert layout.unit_bytes(expert(0, 0)).optimizer > 0
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert all(p.grad is None for p in model.parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name])
+
+
+def test_unit_kinds() -> None:
+    layout = build_layout(model_from_names(reference_names(experts=(0,))), None)
+    assert all(isinstance(u, ExpertUnit) for u in layout.expert_units)
+    assert all(isinstance(u, DenseUnit) for u in layout.dense_units)
+    assert layout.units == layout.dense_units + layout.expert_units
+
+
+def test_reference_gpt_moe_on_ep_rank_1() -> None:
+    gpt_moe = pytest.importorskip("moc_lightning.models.gpt_moe")
+    parallel = pytest.importorskip("moc_lightning.models.parallel")
+    cfg = gpt_moe.GPTMoEConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8, num_experts=4)
+    holder = nn.Module()
+    holder.model = gpt_moe.GPTMoE(cfg, parallel.ExpertParallelTopology(world_size=2, rank=1, ep=2))
+    layout = build_layout(holder, stepped(holder), num_experts=4)
+    assert_partition(layout, holder)
+    assert [(l.prefix, l.local_experts) for l in layout.moe_layers] == [
+        ("model.blocks.1.moe", (2, 3)),
+        ("model.blocks.3.moe", (2, 3)),
+    ]
+    assert layout.expert_units == (expert(0, 2), expert(0, 3), expert(1, 2), expert(1, 3))
+    assert dense("model.blocks.3.moe.router") in layout.dense_units
+
+
+def test_inconsistent_experts_and_shape_mismatches_are_rejected() -> None:
+    uneven_stack = model_from_names({"m.0.mlp.experts.w1": (3, 2), "m.0.mlp.experts.w2": (2, 2)})
+    with pytest.raises(ValueError, match=r"experts of MoE layer 'm\.0\.mlp' hold different parameters"):
+        build_layout(uneven_stack, None)
+    layout = build_layout(model_from_names(reference_names(experts=(0, 1))), None)
+    with pytest.raises(ValueError, match=r"'expert/L0/E1/param/fc\.bias', \[1\], \[8\]"):
+        layout.copy_in({"expert/L0/E1/param/fc.bias": torch.zeros(1)})
+    folded = model_from_names({"m.0.moe.experts.0.w": (2,), "m.0.moe.experts.00.w": (2,)})
+    with pytest.raises(
+        ValueError,
+        match=r"'m\.0\.moe\.experts\.0\.w' and 'm\.0\.moe\.experts\.00\.w' both map to 'expert/L0/E0/param/w'",
+    ):
+        build_layout(folded, None)
