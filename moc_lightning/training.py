@@ -13,10 +13,12 @@ from pathlib import Path
 
 import lightning as L
 from hydra.core.config_store import ConfigStore
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.models.gpt_moe import GPTMoEConfig
@@ -107,10 +109,11 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
 
 
 def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback] | None = None) -> L.Trainer:
-    """A Trainer that logs CSV under ``output_dir/logs``; Lightning's own checkpointing stays off.
+    """A Trainer that logs CSV under ``output_dir/logs``; Lightning's default ``ModelCheckpoint`` never runs.
 
-    Lightning's ``ModelCheckpoint`` saves rank 0's state only, which under expert parallelism lacks the
-    other ranks' experts; MoC checkpointing (``checkpoint.*``) is the checkpointing of this recipe.
+    ``ModelCheckpoint`` saves rank 0's state only, which under expert parallelism lacks the other ranks'
+    experts; ``MoCCheckpoint`` (a ``Checkpoint`` callback, so Lightning adds no default one beside it) is the
+    checkpointing of this recipe, and with ``checkpoint.enabled=false`` checkpointing is off altogether.
     """
     t = cfg.trainer
     strategy = "auto"
@@ -130,7 +133,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback
         gradient_clip_val=t.gradient_clip_val or None,
         logger=CSVLogger(save_dir=str(output_dir), name="logs", version=""),
         default_root_dir=str(output_dir),
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
         callbacks=callbacks or [],
         enable_progress_bar=False,
     )
@@ -141,7 +144,8 @@ def run(cfg: TrainConfig, output_dir: Path) -> L.Trainer:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = GPTMoEModule(cfg.model, cfg.optim, ep=cfg.trainer.ep, seed=cfg.seed)
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
-    trainer = build_trainer(cfg, output_dir)
+    callbacks: list[L.Callback] = [MoCCheckpoint(cfg.checkpoint)] if cfg.checkpoint.enabled else []
+    trainer = build_trainer(cfg, output_dir, callbacks)
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}

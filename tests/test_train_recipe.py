@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+from moc_lightning.manifest import Manifest
+from moc_lightning.units import parse_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,8 +28,9 @@ def _column(rows: list[dict[str, str]], name: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_train_recipe_two_processes_learns(tmp_path: Path) -> None:
+def test_train_recipe_two_processes_learns_and_writes_pec_checkpoints(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    ckpt = tmp_path / "ckpt"
     cmd = [
         sys.executable,
         "recipes/train.py",
@@ -33,6 +38,12 @@ def test_train_recipe_two_processes_learns(tmp_path: Path) -> None:
         "trainer.devices=2",
         "trainer.max_steps=60",
         f"hydra.run.dir={run_dir}",
+        "checkpoint.k_snapshot=2",
+        "checkpoint.k_persist=1",
+        "checkpoint.every_n_train_steps=10",
+        "checkpoint.persist_every_n_snapshots=2",
+        "checkpoint.storage.backend=filesystem",
+        f"checkpoint.storage.url={ckpt.as_uri()}",
         f"checkpoint.shm_root={tmp_path / 'shm'}",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -43,6 +54,15 @@ def test_train_recipe_two_processes_learns(tmp_path: Path) -> None:
     assert train_loss[-1] < train_loss[0] - 1.0, f"training loss did not fall: {train_loss}"
     assert _column(rows, "val_loss"), "validation loss is logged"
     assert "metrics.csv" in proc.stdout
+
+    # Snapshots at 10, 20, ..., 60; every second one persisted: steps 10, 30, 50, each a DCP checkpoint.
+    manifest = Manifest.from_json((ckpt / "manifest.json").read_bytes())
+    assert [r.step for r in manifest.records] == [10, 30, 50]
+    for record in manifest.records:
+        metadata = FileSystemReader(str(ckpt / record.name)).read_metadata()
+        stored = {parse_unit(key).key for key in metadata.state_dict_metadata}
+        assert stored == set(record.units)
+        assert sum(key.startswith("expert/") for key in record.units) == 2, "k_persist=1 of each of 2 MoE layers"
 
 
 @pytest.mark.slow

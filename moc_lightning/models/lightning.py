@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from moc_lightning.models.gpt_moe import GPTMoE, GPTMoEConfig
+from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 
 
@@ -74,6 +75,15 @@ class GPTMoEModule(L.LightningModule):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self, [f"model.{name}" for name in self.model.expert_parameter_names()]
         )
+
+    @property
+    def expert_topology(self) -> ExpertParallelTopology:
+        """Where this rank sits in the expert-parallel layout (read by ``MoCCheckpoint``)."""
+        return self.model.topology
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers whose routers report token counts (read by ``MoCCheckpoint`` for the ledger)."""
+        return self.model.moe_layers()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)[0]

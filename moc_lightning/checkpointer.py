@@ -1,0 +1,318 @@
+"""The PEC engine: decides nothing about *when* (the callback does), does the *how* of saving and loading.
+
+A save takes every dense unit and the selected experts, asks ownership which rank writes which rows,
+writes them through ``torch.distributed.checkpoint.save`` with :class:`MoCSavePlanner`, and then commits:
+the coordinator writes the checkpoint's self-description (``step_X/moc.json``) and the manifest that lists
+it, and only then does the checkpoint exist. A load reads the manifest, takes every dense unit from the
+newest checkpoint and every expert from its newest stored version, loads them with DCP (any world size
+and EP degree), and accounts the lost tokens of the experts that came from older steps (PLT, eq. 7).
+
+Usable without Lightning: give it a layout, the topology and a storage backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from moc_lightning.config import CheckpointConfig
+from moc_lightning.layout import Layout, materialize_optimizer_state
+from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
+from moc_lightning.manifest import CheckpointRecord, Manifest
+from moc_lightning.models.moe import MoELayer
+from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
+from moc_lightning.selection import Selection, UnsavedTokens, make_policy
+from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
+from moc_lightning.storage import CheckpointStorage
+from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
+
+MANIFEST = "manifest.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one persist wrote."""
+
+    step: int
+    name: str
+    units: tuple[str, ...]
+    bytes_written: int
+    """Tensor bytes this rank wrote."""
+    expected_bytes: int
+    """Bytes of every saved unit, all ranks together (eq. 5/6 evaluated on the real tensors)."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load restored: the resume step, where each unit came from, and the PLT it implies."""
+
+    resume_step: int
+    sources: dict[str, int]
+    """Unit key -> step of the version that was loaded (``-1``: never stored, left at initialisation)."""
+    fault: FaultReport
+    k_changed: bool
+    """Whether Dynamic-K raised K after this recovery."""
+
+    @property
+    def plt(self) -> float:
+        return self.fault.plt
+
+
+class PECCheckpointer:
+    """Partial Experts Checkpointing of one model + optimizer, synchronous, through DCP."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        layout: Layout,
+        topology: ExpertParallelTopology,
+        storage: CheckpointStorage,
+        backend: str = "filesystem",
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        num_experts = layout.num_experts
+        cfg.validate_for(min(num_experts))
+        check_k(cfg.k_snapshot, cfg.k_persist, min(num_experts))
+        self.cfg = cfg
+        self.layout = layout
+        self.topology = topology
+        self.storage = storage
+        self.backend = backend
+        self.process_group = process_group
+        self.policy = make_policy(cfg.selection, num_experts, topology.ep)
+        self.ledger = TokenLedger(num_experts)
+        self.dynamic_k = DynamicK(cfg.k_snapshot, cfg.k_persist, min(num_experts), cfg.dynamic_k.plt_threshold)
+        self.snapshots_taken = 0
+        self._pending = [torch.zeros(n, dtype=torch.int64) for n in num_experts]
+        self._pending_assigned = [0] * len(num_experts)
+        self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+
+    # ----------------------------------------------------------------- tokens
+    def record_tokens(self, moe_layers: Sequence[MoELayer]) -> None:
+        """Add the router counts of the last step (this rank's tokens); reduced over ranks at checkpoint time."""
+        for i, layer in enumerate(moe_layers):
+            self._pending[i] += layer.tokens_per_expert.to("cpu", torch.int64)
+            self._pending_assigned[i] += layer.tokens_assigned
+
+    def _sync_tokens(self) -> None:
+        flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
+        if dist.is_initialized():
+            dist.all_reduce(flat, group=self.process_group)
+        sizes = [len(p) for p in self._pending] + [len(self._pending_assigned)]
+        *counts, assigned = flat.split(sizes)
+        for i, c in enumerate(counts):
+            self.ledger.record(i, c, int(assigned[i]))
+        self._pending = [torch.zeros_like(p) for p in self._pending]
+        self._pending_assigned = [0] * len(self._pending_assigned)
+
+    # ------------------------------------------------------------------- save
+    def checkpoint(self, step: int) -> SaveReport | None:
+        """Take the checkpoint of step ``step``: select, and persist when this snapshot is a persist one.
+
+        Returns the save report when something was persisted.
+        """
+        self._sync_tokens()
+        self.ledger.mark(step)
+        index = self.snapshots_taken
+        persist = index % self.cfg.persist_every_n_snapshots == 0
+        selection = self._select(index, persist)
+        self.snapshots_taken += 1
+        if not persist:
+            return None
+        return self.persist(step, self.layout.dense_units + tuple(sorted(selection.persist_units())))
+
+    def _select(self, index: int, persist: bool) -> Selection:
+        unsaved = None
+        if self.cfg.selection == "load_aware":
+            manifest = self.read_manifest()
+            steps = [
+                [_stored_step(manifest, ExpertUnit(layer, e)) for e in range(n)]
+                for layer, n in enumerate(self.layout.num_experts)
+            ]
+            since = self.ledger.tokens_since(steps)
+            unsaved = UnsavedTokens(snapshot=since, persist=since)
+        return self.policy.select(
+            index, self.dynamic_k.k_snapshot, self.dynamic_k.k_persist, persist=persist, unsaved=unsaved
+        )
+
+    def persist(self, step: int, units: Sequence[Unit]) -> SaveReport:
+        """Write ``units`` (all ranks' share) as checkpoint ``step`` and commit it in the manifest."""
+        start = time.perf_counter()
+        name = checkpoint_name(step)
+        held = [u for u in units if u in self.layout.slots]
+        state = self.layout.tensors(held)
+        writes = self._writes(units, state)
+        planner = MoCSavePlanner(writes)
+        dcp.save(state, storage_writer=self.storage.writer(name), planner=planner, process_group=self.process_group)
+        written = owned_bytes(planner.plan)  # the final local plan, after any deduplication
+        record = CheckpointRecord(
+            name=name,
+            step=step,
+            units=tuple(u.key for u in units),
+            strategy=self.cfg.sharding,
+            world_size=self.topology.world_size,
+            ep=self.topology.ep,
+            backend=self.backend,
+        )
+        if self._is_coordinator:
+            self._commit(record)
+        self._barrier()
+        return SaveReport(
+            step=step,
+            name=name,
+            units=record.units,
+            bytes_written=written,
+            expected_bytes=sum(self._unit_nbytes(u) for u in units),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _commit(self, record: CheckpointRecord) -> None:
+        """Self-description first, then the manifest (the commit point), then retention's deletions."""
+        self.storage.put(f"{record.name}/moc.json", json.dumps(self._describe(record)).encode())
+        manifest, removed = self.read_manifest().with_record(record).retire(self.cfg.retention)
+        self.storage.put(MANIFEST, manifest.to_json())
+        for name in removed:
+            self.storage.delete(name)
+        self.ledger.prune(min(r.step for r in manifest.records))
+
+    def _describe(self, record: CheckpointRecord) -> dict[str, Any]:
+        return {"record": dataclasses.asdict(record), "engine": self.state_dict()}
+
+    def _writes(self, units: Sequence[Unit], state: dict[str, torch.Tensor]) -> dict[str, RowRange] | None:
+        """Rows of every local tensor this rank writes, from the ownership of ``units``."""
+        if self.cfg.sharding == "dcp_default":
+            return None
+        topology = Topology(self.topology.world_size, self.topology.ep)
+        sharding_units = tuple(self._sharding_unit(u) for u in units)
+        ownership = plan_ownership(sharding_units, topology, self.cfg.sharding)
+        by_unit: dict[str, list[str]] = {}
+        for key in state:
+            by_unit.setdefault(parse_unit(key).key, []).append(key)
+        writes: dict[str, RowRange] = {}
+        for unit, shard in ownership.writes_of(self.topology.rank):
+            for key in by_unit.get(unit.key, ()):
+                tensor = state[key]
+                if tensor.dim() == 0:
+                    if shard.row_start == 0:
+                        writes[key] = (0, 1)
+                    continue
+                writes[key] = tensor_row_range(shard.row_start, shard.row_stop, unit.rows, tensor.shape[0])
+        return writes
+
+    def _sharding_unit(self, unit: Unit) -> ShardingUnit:
+        rows = self._unit_rows[self._local_twin(unit)]
+        nbytes = self._unit_nbytes(unit)
+        common = {"key": unit.key, "rows": rows, "row_bytes": max(1, math.ceil(nbytes / rows))}
+        if isinstance(unit, DenseUnit):
+            return ShardingUnit(kind="dense", holders=range(self.topology.world_size), **common)
+        per_rank = self.layout.num_experts[unit.layer] // self.topology.ep
+        ep_rank = unit.expert // per_rank
+        holders = range(ep_rank, self.topology.world_size, self.topology.ep)
+        return ShardingUnit(kind="expert", holders=holders, layer=unit.layer, expert=unit.expert, **common)
+
+    def _local_twin(self, unit: Unit) -> Unit:
+        """``unit`` itself if held here, else a local expert of the same MoE layer (experts share one shape)."""
+        if unit in self.layout.slots:
+            return unit
+        assert isinstance(unit, ExpertUnit)
+        return next(u for u in self.layout.expert_units if u.layer == unit.layer)
+
+    def _unit_nbytes(self, unit: Unit) -> int:
+        return self.layout.unit_bytes(self._local_twin(unit)).total
+
+    # ------------------------------------------------------------------- load
+    def read_manifest(self) -> Manifest:
+        data = self.storage.get(MANIFEST)
+        return Manifest() if data is None else Manifest.from_json(data)
+
+    def load_latest(self) -> LoadReport | None:
+        """Restore the newest state in storage into the live model and optimizer; ``None`` if there is none."""
+        manifest = self.read_manifest()
+        latest = manifest.latest
+        if latest is None:
+            return None
+        described = json.loads(self.storage.get(f"{latest.name}/moc.json") or b"{}")
+        self.load_state_dict(described["engine"])
+        if self.layout.optimizer is not None:
+            materialize_optimizer_state(self.layout.optimizer)
+        sources: dict[Unit, CheckpointRecord | None] = {
+            unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()
+        }
+        missing = [u.key for u in self.layout.dense_units if sources[u] is not latest]
+        if missing:
+            raise RuntimeError(f"checkpoint {latest.name} lacks dense units {missing[:5]}; it cannot be resumed")
+        for record in sorted({r for r in sources.values() if r is not None}, key=lambda r: r.step):
+            wanted = [u for u in self.layout.units if sources[u] is record]
+            dcp.load(
+                self.layout.tensors(wanted),
+                storage_reader=self.storage.reader(record.name),
+                process_group=self.process_group,
+            )
+        restored_from = [
+            [sources[ExpertUnit(layer, e)].step if sources[ExpertUnit(layer, e)] else NEVER for e in range(n)]
+            for layer, n in enumerate(self.layout.num_experts)
+        ]
+        fault = self.ledger.recover(latest.step, restored_from)
+        k_changed = self.cfg.dynamic_k.enabled and self.dynamic_k.after_recovery(fault)
+        self._barrier()
+        return LoadReport(
+            resume_step=latest.step,
+            sources={u.key: (r.step if r else NEVER) for u, r in sources.items()},
+            fault=fault,
+            k_changed=k_changed,
+        )
+
+    def _all_units(self) -> list[Unit]:
+        experts = [ExpertUnit(layer, e) for layer, n in enumerate(self.layout.num_experts) for e in range(n)]
+        return [*self.layout.dense_units, *experts]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Selection cursor, ledger, K and counters: small and JSON-able, saved with every checkpoint."""
+        return {
+            "snapshots_taken": self.snapshots_taken,
+            "selection": self.policy.state_dict(),
+            "ledger": self.ledger.state_dict(),
+            "dynamic_k": self.dynamic_k.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.snapshots_taken = int(state["snapshots_taken"])
+        self.policy.load_state_dict(state["selection"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.dynamic_k.load_state_dict(state["dynamic_k"])
+
+    @property
+    def _is_coordinator(self) -> bool:
+        return not dist.is_initialized() or dist.get_rank(self.process_group) == 0
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.process_group)
+
+
+def _unit_rows(layout: Layout, unit: Unit) -> int:
+    """Rows a unit is split into: the longest dim 0 among its tensors (1 for scalar-only units)."""
+    return max([t.shape[0] for t in layout.tensors([unit]).values() if t.dim() > 0] or [1])
+
+
+def _stored_step(manifest: Manifest, unit: Unit) -> int:
+    record = manifest.newest(unit.key)
+    return record.step if record else NEVER
+
+

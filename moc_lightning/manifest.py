@@ -1,0 +1,137 @@
+"""The manifest: the durable catalog of persisted checkpoints and which units each one holds.
+
+A checkpoint becomes visible only when the manifest that lists it is committed (one atomic ``put``), after
+every rank's bytes are durable: a half-written checkpoint is a directory no manifest names, and is never
+read. The newest stored version of a unit is the newest listed checkpoint that holds it; retention keeps
+the newest ``retention`` checkpoints and, beyond them, every checkpoint that still holds some unit's
+newest version, so it never removes the only stored version of a unit.
+
+Pure data: (de)serialisation validates everything and raises :class:`ManifestError` on bad bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+FORMAT_VERSION = 1
+
+
+class ManifestError(ValueError):
+    """The manifest bytes are not a valid MoC manifest."""
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """One committed checkpoint: what it holds and how it was written (a self-description)."""
+
+    name: str
+    """Location under the storage root (``step_00000120``)."""
+    step: int
+    """Optimizer step the state belongs to."""
+    units: tuple[str, ...]
+    """Keys of the units stored in it (every dense unit, and the persisted experts)."""
+    strategy: str
+    """Sharding strategy that wrote it."""
+    world_size: int
+    """Ranks that wrote it."""
+    ep: int
+    """Expert-parallel degree when it was written."""
+    backend: str
+    """Storage backend (``filesystem`` or ``tensorstore``)."""
+
+    def holds(self, unit_key: str) -> bool:
+        return unit_key in self._unit_set
+
+    @cached_property
+    def _unit_set(self) -> frozenset[str]:
+        return frozenset(self.units)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Committed checkpoints, oldest first."""
+
+    records: tuple[CheckpointRecord, ...] = field(default_factory=tuple)
+
+    @property
+    def latest(self) -> CheckpointRecord | None:
+        return self.records[-1] if self.records else None
+
+    def newest(self, unit_key: str, at_or_before: int | None = None) -> CheckpointRecord | None:
+        """The newest checkpoint holding ``unit_key`` at or before step ``at_or_before`` (any step if ``None``)."""
+        for record in reversed(self.records):
+            if (at_or_before is None or record.step <= at_or_before) and record.holds(unit_key):
+                return record
+        return None
+
+    def with_record(self, record: CheckpointRecord) -> Manifest:
+        """This manifest plus ``record``, which must be newer than every listed checkpoint."""
+        if self.records and record.step <= self.records[-1].step:
+            raise ValueError(f"checkpoint at step {record.step} is not newer than step {self.records[-1].step}")
+        return Manifest(self.records + (record,))
+
+    def without(self, names: set[str]) -> Manifest:
+        """This manifest without the checkpoints called ``names`` (a fallback after corruption)."""
+        return Manifest(tuple(r for r in self.records if r.name not in names))
+
+    def retire(self, retention: int) -> tuple[Manifest, list[str]]:
+        """Apply retention: keep the newest ``retention`` checkpoints and any holding a unit's newest version.
+
+        Returns the manifest to commit and the checkpoints to delete *after* committing it.
+        """
+        if retention < 1:
+            raise ValueError(f"checkpoint.retention must be >= 1, got {retention}")
+        keep = {r.name for r in self.records[-retention:]}
+        newest_of_some_unit = {self.newest(unit).name for r in self.records for unit in r.units}
+        kept = tuple(r for r in self.records if r.name in keep or r.name in newest_of_some_unit)
+        removed = [r.name for r in self.records if r not in kept]
+        return Manifest(kept), removed
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT_VERSION, "records": [asdict(r) for r in self.records]}, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and validate; anything malformed raises :class:`ManifestError` naming the problem."""
+        try:
+            raw = json.loads(data.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ManifestError(f"manifest is not valid JSON: {err}") from err
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
+            found = raw.get("format") if isinstance(raw, dict) else raw
+            raise ManifestError(f"manifest format must be {FORMAT_VERSION}, got {found!r:.80}")
+        records = raw.get("records")
+        if not isinstance(records, list):
+            raise ManifestError("manifest 'records' must be a list")
+        parsed = tuple(_record(r) for r in records)
+        steps = [r.step for r in parsed]
+        if steps != sorted(set(steps)):
+            raise ManifestError(f"manifest steps must be strictly increasing, got {steps}")
+        return cls(parsed)
+
+
+_FIELD_TYPES = {"name": str, "step": int, "strategy": str, "world_size": int, "ep": int, "backend": str}
+
+
+def _record(raw: object) -> CheckpointRecord:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"manifest record must be an object, got {raw!r:.80}")
+    for name, kind in _FIELD_TYPES.items():
+        if not isinstance(raw.get(name), kind) or isinstance(raw.get(name), bool):
+            raise ManifestError(f"manifest record field {name!r} must be {kind.__name__}, got {raw.get(name)!r:.80}")
+    units = raw.get("units")
+    if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
+        raise ManifestError("manifest record field 'units' must be a list of unit keys")
+    if raw["step"] < 0 or raw["world_size"] < 1 or raw["ep"] < 1 or "/" in raw["name"] or not raw["name"]:
+        raise ManifestError(f"manifest record {raw['name']!r} has out-of-range fields")
+    return CheckpointRecord(
+        name=raw["name"],
+        step=raw["step"],
+        units=tuple(units),
+        strategy=raw["strategy"],
+        world_size=raw["world_size"],
+        ep=raw["ep"],
+        backend=raw["backend"],
+    )

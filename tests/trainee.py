@@ -1,0 +1,93 @@
+"""A tiny GPT-MoE trained by hand, step by step, recording the router counts a test checks PLT against."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moc_lightning.checkpointer import PECCheckpointer
+from moc_lightning.config import CheckpointConfig
+from moc_lightning.layout import build_layout
+from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
+from moc_lightning.storage import make_storage
+
+
+TINY = GPTMoEConfig()  # conf/model/tiny.yaml: 4 blocks, 2 MoE layers, N=8, top-2
+BATCH = 8
+
+
+class Trainee:
+    """A model, its optimizer and the router counts of every step, as a test records them by hand."""
+
+    def __init__(self, topology: ExpertParallelTopology, seed: int = 0) -> None:
+        self.model = GPTMoE(TINY, topology, seed=seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.counts: list[list[torch.Tensor]] = []  # per step, per MoE layer: global tokens per expert
+        self.assigned: list[list[int]] = []
+
+    def step(self, step: int) -> None:
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 256, (BATCH, TINY.block_size + 1), generator=g)
+        topo = self.model.topology
+        share = BATCH // topo.world_size
+        mine = tokens[topo.rank * share : (topo.rank + 1) * share]
+        _, loss, _ = self.model(mine[:, :-1], mine[:, 1:])
+        self.optimizer.zero_grad()
+        loss.backward()
+        for name, p in self.model.named_parameters():
+            if ".experts." not in name and topo.world_size > 1:
+                dist.all_reduce(p.grad)
+                p.grad /= topo.world_size
+        self.model.reduce_expert_gradients()
+        self.optimizer.step()
+        counts, assigned = [], []
+        for layer in self.model.moe_layers():
+            c = layer.tokens_per_expert.clone()
+            a = torch.tensor(layer.tokens_assigned)
+            if topo.world_size > 1:
+                dist.all_reduce(c)
+                dist.all_reduce(a)
+            counts.append(c)
+            assigned.append(int(a))
+        self.counts.append(counts)
+        self.assigned.append(assigned)
+
+    def engine(self, cfg: CheckpointConfig, url: str) -> PECCheckpointer:
+        layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
+        return PECCheckpointer(cfg, layout, self.model.topology, make_storage(cfg.storage.backend, url))
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
+        return {k: v.clone() for k, v in layout.tensors().items()}
+
+
+def every_step_config(k_snapshot: int, k_persist: int, **kw) -> CheckpointConfig:
+    return CheckpointConfig(
+        k_snapshot=k_snapshot, k_persist=k_persist, every_n_train_steps=1, persist_every_n_snapshots=1, **kw
+    )
+
+
+
+
+def train_and_checkpoint(rank: int, world_size: int, url: str, ep: int | None = None) -> dict:
+    """Six steps with PEC checkpoints (K=4 of 8) at steps 2 and 4, which save disjoint expert subsets."""
+    topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
+    trainee = Trainee(topology)
+    engine = trainee.engine(every_step_config(4, 4), url)
+    captured, saved = {}, {}
+    for step in range(1, 7):
+        trainee.step(step)
+        engine.record_tokens(trainee.model.moe_layers())
+        if step in (2, 4):
+            report = engine.checkpoint(step)
+            captured[step] = trainee.snapshot()
+            saved[step] = [u for u in report.units if u.startswith("expert/")]
+    return {"captured": captured, "saved": saved, "counts": trainee.counts, "assigned": trainee.assigned}
+
+
+def load_fresh(rank: int, world_size: int, url: str, ep: int | None = None) -> dict:
+    """A differently initialised model restored from storage: what it loaded and from which steps."""
+    topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
+    fresh = Trainee(topology, seed=1)
+    load = fresh.engine(every_step_config(4, 4), url).load_latest()
+    return {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
