@@ -1,0 +1,91 @@
+"""The manifest: newest versions, retention that never drops a unit's only version, strict parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
+
+DENSE = ("dense/a", "dense/b")
+
+
+def _record(step: int, experts: tuple[str, ...]) -> CheckpointRecord:
+    return CheckpointRecord(
+        name=f"step_{step:09d}", step=step, units=DENSE + experts, strategy="adaptive", world_size=2, ep=2,
+        backend="filesystem",
+    )
+
+
+def _manifest() -> Manifest:
+    m = Manifest()
+    for step, experts in ((10, ("expert/L0/E0",)), (20, ("expert/L0/E1",)), (30, ("expert/L0/E0",)), (40, ())):
+        m = m.with_record(_record(step, experts))
+    return m
+
+
+def test_newest_version_per_unit() -> None:
+    m = _manifest()
+    assert m.latest.step == 40
+    assert m.newest("dense/a").step == 40
+    assert m.newest("expert/L0/E0").step == 30
+    assert m.newest("expert/L0/E0", at_or_before=25).step == 10
+    assert m.newest("expert/L0/E1").step == 20
+    assert m.newest("expert/L0/E7") is None
+
+
+def test_retention_keeps_the_only_version_of_every_unit() -> None:
+    kept, removed = _manifest().retire(retention=1)
+    assert [r.step for r in kept.records] == [20, 30, 40]
+    assert removed == ["step_000000010"]
+    for unit in ("dense/a", "expert/L0/E0", "expert/L0/E1"):
+        assert kept.newest(unit) == _manifest().newest(unit)
+
+
+def test_records_must_be_newer() -> None:
+    with pytest.raises(ValueError, match="not newer than step 40"):
+        _manifest().with_record(_record(40, ()))
+
+
+def test_json_round_trip() -> None:
+    m = _manifest()
+    assert Manifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\xff\xfe", "not valid JSON"),
+        (b"{", "not valid JSON"),
+        (b"[]", "manifest format must be 1"),
+        (b'{"format": 1, "records": {}}', "'records' must be a list"),
+        (b'{"format": 1, "records": [{"name": "x"}]}', "field 'step' must be int"),
+    ],
+)
+def test_garbage_is_refused_with_a_reason(data: bytes, message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_json(data)
+
+
+@given(st.binary(max_size=300))
+def test_random_bytes_never_parse_silently(data: bytes) -> None:
+    try:
+        manifest = Manifest.from_json(data)
+    except ManifestError:
+        return
+    assert isinstance(manifest, Manifest)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                    max_leaves=12))
+def test_random_json_documents_raise_only_manifest_errors(doc: object) -> None:
+    """Any other exception (KeyError, TypeError, ...) fails the test: bad input gets a ManifestError."""
+    try:
+        manifest = Manifest.from_json(json.dumps({"format": 1, "records": [doc]}).encode())
+    except ManifestError:
+        return
+    assert all(isinstance(r, CheckpointRecord) and r.step >= 0 for r in manifest.records)
