@@ -34,9 +34,12 @@ def tensor_row_range(unit_start: int, unit_stop: int, unit_rows: int, tensor_row
 def _row_write_item(key: str, tensor: torch.Tensor, rows: RowRange) -> WriteItem:
     """A write of rows ``[start, stop)``; a partial one is a ``SHARD`` so several ranks may write one key."""
     start, stop = rows
-    offsets = torch.Size([start] + [0] * (tensor.dim() - 1))
-    sizes = torch.Size([stop - start, *tensor.shape[1:]])
-    whole = tensor.dim() == 0 or (start, stop) == (0, tensor.shape[0])
+    if tensor.dim() == 0:  # DCP's convention for scalars: an empty chunk box
+        offsets, sizes, whole = torch.Size([]), torch.Size([]), True
+    else:
+        offsets = torch.Size([start] + [0] * (tensor.dim() - 1))
+        sizes = torch.Size([stop - start, *tensor.shape[1:]])
+        whole = (start, stop) == (0, tensor.shape[0])
     return WriteItem(
         index=MetadataIndex(key, offsets),
         type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,

@@ -1,0 +1,66 @@
+"""Where persisted checkpoints live, behind one small protocol.
+
+A checkpoint is a named directory-like location under the storage root (``step_00000120``) holding a DCP
+checkpoint. Tensor bytes go through DCP's ``StorageWriter``/``StorageReader`` of the backend; small
+control files (the manifest, each checkpoint's ``moc.json``) go through ``put``/``get``, which are atomic:
+a reader sees the old bytes or the new ones, never a torn file.
+
+Backends: ``filesystem`` (DCP's own file writer) and ``tensorstore`` (zarr v3 arrays via TensorStore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+from moc_lightning.storage.filesystem import FilesystemStorage
+from moc_lightning.storage.tensorstore import TensorStoreStorage
+
+
+class CheckpointStorage(Protocol):
+    """The three control-object operations MoC needs from a storage backend, plus the DCP writer/reader pair."""
+
+    url: str
+    """Root location, e.g. ``file:///scratch/run/ckpt``."""
+
+    def writer(self, name: str) -> StorageWriter:
+        """A DCP writer for checkpoint ``name`` (a fresh, not yet visible location).
+
+        The checkpoint is complete, durable and readable once DCP's save returns on the coordinator; a
+        location reused after a failed attempt is overwritten, so it must not be referenced by a manifest.
+        """
+        ...
+
+    def reader(self, name: str) -> StorageReader:
+        """A DCP reader for checkpoint ``name``; it refuses a checkpoint whose save never finished."""
+        ...
+
+    def put(self, name: str, data: bytes) -> None:
+        """Atomically write a small control object (``manifest.json``, ``step_X/moc.json``), durable on return."""
+        ...
+
+    def get(self, name: str) -> bytes | None:
+        """Read a control object; ``None`` if it does not exist."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Remove checkpoint ``name`` and everything under it; a missing one is not an error."""
+        ...
+
+
+def make_storage(backend: str, url: str) -> CheckpointStorage:
+    """The storage named by ``checkpoint.storage.backend`` at ``checkpoint.storage.url``.
+
+    The root is opened (and created, when local) here, so a bad option fails before training starts.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"checkpoint.storage.backend={backend!r} is not allowed; choose one of: {', '.join(BACKENDS)}")
+    return BACKENDS[backend](url)
+
+
+BACKENDS: dict[str, Callable[[str], CheckpointStorage]] = {
+    "filesystem": FilesystemStorage,
+    "tensorstore": TensorStoreStorage,
+}

@@ -1,0 +1,107 @@
+"""Small control objects (manifest, per-checkpoint ``moc.json``) that are atomic and durable when written.
+
+Recovery trusts a checkpoint only through these objects (DESIGN.md, hard part 5), so a write must be
+all-or-nothing and on stable storage before ``put`` returns. Two implementations of the same contract:
+
+- ``LocalObjects``: a directory on a local or mounted file system; temp file, ``fsync``, ``os.replace``,
+  ``fsync`` of the directory (the rename is only durable once its directory is).
+- ``KvObjects``: any TensorStore kvstore (``gs://``, ``s3://``, ...), where a single-key write is atomic
+  and durable once acknowledged.
+
+Names are ``/``-separated keys relative to the storage root (``step_00000120/moc.json``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import tensorstore as ts
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs_durable(path: Path) -> None:
+    """Create ``path`` and missing ancestors, fsyncing each new directory's parent so the entries survive a crash."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(exist_ok=True)
+        fsync_dir(directory.parent)
+
+
+class LocalObjects:
+    """Control objects as files under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write ``name`` atomically: readers see the old bytes or the new ones; durable on return."""
+        path = self.root / name
+        make_dirs_durable(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+    def get(self, name: str) -> bytes | None:
+        """The bytes of ``name``; ``None`` if it does not exist."""
+        try:
+            return (self.root / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def delete(self, name: str) -> None:
+        """Remove ``name`` (a file, or a directory and everything under it); a missing one is not an error.
+
+        Not fsynced: a delete that a crash undoes leaves only garbage that no manifest points to.
+        """
+        path = self.root / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class KvObjects:
+    """Control objects as keys of a TensorStore kvstore (each single-key write is atomic there)."""
+
+    def __init__(self, kvstore: ts.KvStore) -> None:
+        self.kvstore = kvstore
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write ``name``; TensorStore acknowledges a write only once the store has it whole."""
+        self.kvstore.write(name, data).result()
+
+    def get(self, name: str) -> bytes | None:
+        """The bytes of ``name``; ``None`` if it does not exist."""
+        result = self.kvstore.read(name).result()
+        return result.value if result.state == "value" else None
+
+    def delete(self, name: str) -> None:
+        """Remove key ``name`` and every key under ``name/``; missing keys are not an error."""
+        self.kvstore.delete_range(ts.KvStore.KeyRange(name, name + "\x00")).result()
+        prefix = name.rstrip("/") + "/"
+        self.kvstore.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()

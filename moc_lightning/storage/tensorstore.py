@@ -1,0 +1,48 @@
+"""The ``tensorstore`` backend: every tensor chunk a zarr v3 array on any TensorStore kvstore.
+
+The root URL is a plain path or ``file://`` URL (tested here), or any kvstore URL TensorStore knows
+(``gs://bucket/path``, ``s3://bucket/path``; credentials come from the environment, as TensorStore reads
+them). Checkpoint ``name`` lives under ``<root>/<name>/`` (layout in ``zarr_dcp``). Control objects go
+through the same atomic contract as the filesystem backend: on a local root the very same
+``LocalObjects`` (so ``delete`` removes directories too), elsewhere single-key kvstore writes.
+"""
+
+from __future__ import annotations
+
+import tensorstore as ts
+
+from moc_lightning.storage.location import local_path, open_kvstore, open_local_dir
+from moc_lightning.storage.objects import KvObjects, LocalObjects
+from moc_lightning.storage.zarr_dcp import TensorStoreReader, TensorStoreWriter
+
+
+class TensorStoreStorage:
+    """Checkpoints as zarr v3 arrays plus DCP metadata under a kvstore root."""
+
+    def __init__(self, url: str) -> None:
+        local_root = open_local_dir(url) if local_path(url) is not None else None
+        self.url = local_root.as_uri() if local_root is not None else url
+        # One context for the root and every array: shared I/O pools, and for memory:// one shared store.
+        self.context = ts.Context()
+        self.kvstore = open_kvstore(self.url, self.context)
+        self.objects = LocalObjects(local_root) if local_root is not None else KvObjects(self.kvstore)
+
+    def writer(self, name: str) -> TensorStoreWriter:
+        """A DCP writer for checkpoint ``name``."""
+        return TensorStoreWriter(self.kvstore / f"{name}/", self.context)
+
+    def reader(self, name: str) -> TensorStoreReader:
+        """A DCP reader for checkpoint ``name``."""
+        return TensorStoreReader(self.kvstore / f"{name}/", self.context)
+
+    def put(self, name: str, data: bytes) -> None:
+        """Atomically write control object ``name``, durable on return."""
+        self.objects.put(name, data)
+
+    def get(self, name: str) -> bytes | None:
+        """Read control object ``name``; ``None`` if missing."""
+        return self.objects.get(name)
+
+    def delete(self, name: str) -> None:
+        """Remove checkpoint (or object) ``name`` and everything under it; missing is not an error."""
+        self.objects.delete(name)

@@ -1,0 +1,280 @@
+"""DCP ``StorageWriter``/``StorageReader`` that keep every tensor chunk as a zarr v3 array in a TensorStore kvstore.
+
+Layout of one checkpoint (keys under its kvstore prefix)::
+
+    <fqn>/@<o0>.<o1>...     zarr v3 array: the chunk of tensor <fqn> whose offsets are (o0, o1, ...)
+    .bytes/<plan index>     non-tensor values of one rank's plan, concatenated (torch.save bytes)
+    .metadata               pickled DCP Metadata, written last by the coordinator
+
+**One array per (fqn, chunk offset), not one full-shape array per fqn.** Every chunk is written by exactly
+one rank (DCP plans never write one ``MetadataIndex`` twice), so with one array per chunk no two
+processes ever touch the same object: no shared ``zarr.json`` to create first, no read-modify-write of a
+shared zarr chunk or shard, nothing to coordinate. A full-shape array would need a regular chunk grid
+aligned with every writer's row boundaries; the MoC planner's uneven row ranges (adaptive sharding)
+leave only their gcd, down to one row per zarr chunk. It would also show never-written rows (the
+experts a partial checkpoint skipped) as fill values indistinguishable from data. Here what exists is
+what was written, and DCP's metadata says how chunks tile each tensor, which resharded loads use.
+
+A checkpoint exists only once ``.metadata`` does: the coordinator writes it in ``finish``, after every
+rank's ``write_data`` has committed (TensorStore acknowledges a write once it is durable; the file
+driver fsyncs the file and its directory), and removes a stale one before any rank writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import math
+import os
+import pickle
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import tensorstore as ts
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from moc_lightning.storage.inflight import in_flight, settle
+from moc_lightning.storage.location import kvstore_spec, open_kvstore
+from moc_lightning.storage.zarr_arrays import from_numpy, open_array, open_new_array, region, to_numpy
+
+METADATA_KEY = ".metadata"
+BLOBS_PREFIX = ".bytes/"
+IN_FLIGHT_BYTES = 512 << 20
+"""Tensor bytes a writer or reader keeps in flight: enough to overlap I/O across arrays, bounded so a
+save does not hold a second copy of a rank's whole share (TensorStore copies what it is asked to write)."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """Where a tensor chunk is stored: the key of its zarr array."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """Where a non-tensor value is stored: a byte range of a blob object."""
+
+    key: str
+    offset: int
+    length: int
+
+
+def array_key(index: MetadataIndex) -> str:
+    """The array key of a chunk; the FQN is percent-quoted so any ``/`` in it cannot nest keys."""
+    offsets = ".".join(str(o) for o in index.offset or ())
+    return f"{quote(index.fqn, safe='')}/@{offsets}"
+
+
+def _completed(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
+
+
+class CheckpointLocation:
+    """The kvstore prefix of one checkpoint, which DCP may move by passing a ``checkpoint_id``."""
+
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context) -> None:
+        self.kvstore = kvstore
+        self.context = context
+
+    def move_to(self, checkpoint_id: str | os.PathLike | None) -> None:
+        """Follow a ``checkpoint_id`` (a path or kvstore URL) given to ``dcp.save``/``dcp.load``, if any."""
+        if checkpoint_id:
+            self.kvstore = open_kvstore(str(checkpoint_id), self.context)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Whether TensorStore understands ``checkpoint_id`` as a location (DCP's automatic backend choice)."""
+        try:
+            ts.KvStore.Spec(kvstore_spec(str(checkpoint_id)))
+        except ValueError:
+            return False
+        return True
+
+
+class TensorStoreWriter(CheckpointLocation, StorageWriter):
+    """Writes one DCP checkpoint into ``kvstore`` (the checkpoint's own prefix)."""
+
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context) -> None:
+        super().__init__(kvstore, context)
+        self.save_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new save."""
+        self.move_to(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.kvstore.url, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Nothing to set up: the coordinator's extra work happens in the global plan and ``finish``."""
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Retire a stale ``.metadata`` before any rank writes, and name each plan's blob by its index.
+
+        A failed earlier attempt at this location may have left ``.metadata`` behind; arrays rewritten
+        under it would make it describe a mix of old and new bytes.
+        """
+        self.kvstore.delete_range(ts.KvStore.KeyRange(METADATA_KEY, METADATA_KEY + "\x00")).result()
+        return [dataclasses.replace(plan, storage_data=f"{BLOBS_PREFIX}{i}") for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write every chunk of ``plan`` as its own array and its non-tensor values as one blob; return when durable.
+
+        Array creations (metadata only) all start at once; data writes are windowed by ``in_flight``.
+        """
+        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        creations = [self._create_array(item) for item in tensor_items]
+        started = (self._write_operation(item, store, planner) for item, store in zip(tensor_items, creations))
+        results = []
+        try:
+            with contextlib.closing(in_flight(started, IN_FLIGHT_BYTES)) as writes:
+                for result, write in writes:
+                    write.result()
+                    results.append(result)
+        except BaseException:
+            settle(creations)
+            raise
+        return _completed(results + self._write_values(plan, planner))
+
+    def _create_array(self, item: WriteItem) -> ts.Future:
+        tensor = item.tensor_data
+        return open_new_array(self.kvstore, array_key(item.index), tuple(tensor.chunk.sizes), tensor.properties.dtype)
+
+    def _write_operation(
+        self, item: WriteItem, store: ts.Future, planner: SavePlanner
+    ) -> tuple[int, Callable[[], tuple[WriteResult, ts.WriteFutures]]]:
+        """The bytes of ``item`` and how to start writing it (``resolve_data`` waits until then: it may copy)."""
+        nbytes = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        return nbytes, functools.partial(self._start_write, item, store, planner)
+
+    def _start_write(
+        self, item: WriteItem, store: ts.Future, planner: SavePlanner
+    ) -> tuple[WriteResult, ts.WriteFutures]:
+        array = to_numpy(planner.resolve_data(item))
+        if array.shape != tuple(item.tensor_data.chunk.sizes):
+            raise ValueError(
+                f"{item.index}: the planner resolved data of shape {array.shape} for a chunk of sizes "
+                f"{tuple(item.tensor_data.chunk.sizes)}"
+            )
+        result = WriteResult(item.index, array.nbytes, ArrayRef(array_key(item.index)))
+        return result, store.result().write(array)
+
+    def _write_values(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """The non-tensor values of ``plan`` concatenated into one blob: one object per rank, however many values."""
+        blob = io.BytesIO()
+        results = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item).getbuffer()
+                results.append(WriteResult(item.index, len(data), BlobRef(plan.storage_data, blob.tell(), len(data))))
+                blob.write(data)
+        if results:
+            self.kvstore.write(plan.storage_data, blob.getvalue()).result()
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Publish the checkpoint: ``.metadata`` (with where every item went) is the last object written."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
+        metadata.storage_meta = self.storage_meta()
+        self.kvstore.write(METADATA_KEY, pickle.dumps(metadata)).result()
+
+
+class TensorStoreReader(CheckpointLocation, StorageReader):
+    """Reads a checkpoint written by ``TensorStoreWriter``, under any world size (resharding)."""
+
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context) -> None:
+        super().__init__(kvstore, context)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict[MetadataIndex, ArrayRef | BlobRef] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new load."""
+        self.move_to(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's DCP metadata; a checkpoint without it was never finished and is refused."""
+        found = self.kvstore.read(METADATA_KEY).result()
+        if found.state != "value":
+            raise FileNotFoundError(f"no finished checkpoint at {self.kvstore.url} (its {METADATA_KEY} is missing)")
+        metadata: Metadata = pickle.loads(found.value)
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read exactly each requested box (``storage_offsets`` + ``lengths`` within a stored chunk) into place.
+
+        Arrays open all at once (metadata only); data reads are windowed by ``in_flight``.
+        """
+        tensor_reads = [item for item in plan.items if item.type == LoadItemType.TENSOR]
+        keys = {self.storage_data[item.storage_index].key for item in tensor_reads}
+        stores = {key: open_array(self.kvstore, key) for key in keys}
+        started = (self._read_operation(item, stores) for item in tensor_reads)
+        for item, read in in_flight(started, IN_FLIGHT_BYTES):  # reads change nothing: no need to settle
+            stored = from_numpy(read.result())
+            target = planner.resolve_tensor(item).detach()
+            if target.shape != stored.shape:
+                raise ValueError(
+                    f"{item.storage_index}: read a box of shape {tuple(stored.shape)} "
+                    f"for a target of shape {tuple(target.shape)}"
+                )
+            target.copy_(stored)
+            planner.commit_tensor(item, target)
+        self._read_values([item for item in plan.items if item.type == LoadItemType.BYTE_IO], planner)
+        return _completed(None)
+
+    def _read_operation(
+        self, item: ReadItem, stores: dict[str, ts.Future]
+    ) -> tuple[int, Callable[[], tuple[ReadItem, ts.Future]]]:
+        """The bytes of the box ``item`` asks for and how to start reading it."""
+        box = stores[self.storage_data[item.storage_index].key].result()[region(item.storage_offsets, item.lengths)]
+        return math.prod(item.lengths) * box.dtype.numpy_dtype.itemsize, lambda: (item, box.read())
+
+    def _read_values(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Hand each non-tensor value its bytes, reading each blob once."""
+        blobs: dict[str, bytes] = {}
+        for item in items:
+            ref = self.storage_data[item.storage_index]
+            if ref.key not in blobs:
+                blobs[ref.key] = self.kvstore.read(ref.key).result().value
+            planner.load_bytes(item, io.BytesIO(blobs[ref.key][ref.offset : ref.offset + ref.length]))
+

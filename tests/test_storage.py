@@ -1,0 +1,398 @@
+"""Storage backends: atomic control objects, DCP round trips, zarr v3 arrays, partial and multi-rank chunks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import io
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zarr
+from dist_utils import run_ranks
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from zarr.core.dtype import data_type_registry
+from zarr.core.dtype.npy.float import Float16
+
+from moc_lightning.storage import CheckpointStorage, inflight, make_storage, zarr_arrays, zarr_dcp
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning", "ignore:Detected an existing checkpoint:UserWarning"
+)
+
+BACKENDS = ("filesystem", "tensorstore")
+LOCAL_ROOTS = [("filesystem", "path"), ("filesystem", "file_url"), ("tensorstore", "path"), ("tensorstore", "file_url")]
+
+
+def _url(tmp_path: Path, form: str) -> str:
+    root = tmp_path / "ckpt root"  # a space, so file:// URLs and kvstore specs must not mangle it
+    return root.as_uri() if form == "file_url" else str(root)
+
+
+@pytest.fixture(params=[*LOCAL_ROOTS, ("tensorstore", "memory")], ids=lambda p: "-".join(p))
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStorage:
+    """Every backend on a local root, and the tensorstore backend on a non-file kvstore (``memory://``)."""
+    backend, form = request.param
+    return make_storage(backend, "memory://ckpt" if form == "memory" else _url(tmp_path, form))
+
+
+def _local_files(storage: CheckpointStorage) -> set[str]:
+    root = Path(unquote(urlparse(storage.url).path))
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def _state() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w32": torch.randn(6, 5, generator=g),
+        "w16": torch.randn(4, 3, generator=g).half(),
+        "wbf16": torch.randn(7, 2, generator=g).bfloat16(),
+        "i64": torch.randint(-(2**40), 2**40, (5,), generator=g),
+        "i32": torch.randint(-(2**20), 2**20, (2, 2), dtype=torch.int32, generator=g),
+        "u8": torch.randint(0, 256, (9,), dtype=torch.uint8, generator=g),
+        "mask": torch.rand(3, 3, generator=g) > 0.5,
+        "step": torch.tensor(1234.5),
+        "empty": torch.zeros(0, 4),
+        "note": "lr schedule v2",
+    }
+
+
+def _blank(state: dict[str, object]) -> dict[str, object]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _assert_bitwise(expected: torch.Tensor, actual: torch.Tensor) -> None:
+    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape)
+    assert _bits(actual) == _bits(expected)
+
+
+# ---------------------------------------------------------------- control objects
+
+
+def test_put_get_replace_and_missing(storage: CheckpointStorage) -> None:
+    assert storage.get("manifest.json") is None
+    storage.put("manifest.json", b"v1")
+    storage.put("manifest.json", b"version two")
+    storage.put("step_00000010/moc.json", b"{}")
+    assert storage.get("manifest.json") == b"version two"
+    assert storage.get("step_00000010/moc.json") == b"{}"
+    if storage.url.startswith("file://"):
+        assert _local_files(storage) == {"manifest.json", "step_00000010/moc.json"}  # no temp or lock files
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_put_keeps_old_bytes_and_leaves_no_temp_file(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = make_storage(backend, str(tmp_path))
+    storage.put("manifest.json", b"old")
+
+    def crash(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        storage.put("manifest.json", b"new")
+    monkeypatch.undo()
+    assert storage.get("manifest.json") == b"old"
+    assert _local_files(storage) == {"manifest.json"}
+
+
+def test_delete_removes_a_checkpoint_and_nothing_else(storage: CheckpointStorage) -> None:
+    dcp.save({"w": torch.ones(2)}, storage_writer=storage.writer("step_1"), no_dist=True)
+    storage.put("step_1/moc.json", b"a")
+    storage.put("step_10/moc.json", b"b")  # shares the prefix "step_1"
+    storage.put("step_1.json", b"c")
+    storage.delete("step_1")
+    storage.delete("step_1")  # missing is fine
+    storage.delete("never_written")
+    assert storage.get("step_1/moc.json") is None
+    assert storage.get("step_10/moc.json") == b"b"
+    assert storage.get("step_1.json") == b"c"
+    with pytest.raises(CheckpointException, match=r"metadata|\.metadata"):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=storage.reader("step_1"), no_dist=True)
+    if storage.url.startswith("file://"):
+        assert not any(name.startswith("step_1/") for name in _local_files(storage))
+
+
+# ---------------------------------------------------------------- DCP round trips
+
+
+def test_dcp_round_trip_is_bitwise(storage: CheckpointStorage) -> None:
+    state = _state()
+    dcp.save(state, storage_writer=storage.writer("step_00000020"), no_dist=True)
+    loaded = _blank(state)
+    dcp.load(loaded, storage_reader=storage.reader("step_00000020"), no_dist=True)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            _assert_bitwise(value, loaded[key])
+        else:
+            assert loaded[key] == value
+
+
+def test_unfinished_save_is_never_read(storage: CheckpointStorage) -> None:
+    """A save that fails over an older checkpoint of the same name leaves nothing loadable, not a mix."""
+    dcp.save({"w": torch.ones(4)}, storage_writer=storage.writer("step_1"), no_dist=True)
+
+    class Crashing(DefaultSavePlanner):
+        def resolve_data(self, write_item: WriteItem) -> object:
+            raise RuntimeError("killed mid-save")
+
+    with pytest.raises(CheckpointException, match="killed mid-save"):
+        retry = {"w": torch.full((4,), 2.0)}
+        dcp.save(retry, storage_writer=storage.writer("step_1"), planner=Crashing(), no_dist=True)
+    with pytest.raises(CheckpointException, match=r"metadata|\.metadata"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=storage.reader("step_1"), no_dist=True)
+    dcp.save({"w": torch.full((4,), 3.0)}, storage_writer=storage.writer("step_1"), no_dist=True)  # a retry works
+    loaded = {"w": torch.zeros(4)}
+    dcp.load(loaded, storage_reader=storage.reader("step_1"), no_dist=True)
+    assert torch.equal(loaded["w"], torch.full((4,), 3.0))
+
+
+def test_tensorstore_follows_a_dcp_checkpoint_id(tmp_path: Path) -> None:
+    storage = make_storage("tensorstore", str(tmp_path / "root"))
+    elsewhere = (tmp_path / "elsewhere").as_uri()
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=elsewhere, storage_writer=storage.writer("ignored"), no_dist=True)
+    loaded = {"w": torch.zeros(3)}
+    dcp.load(loaded, checkpoint_id=elsewhere, storage_reader=storage.reader("ignored"), no_dist=True)
+    assert torch.equal(loaded["w"], torch.ones(3)) and (tmp_path / "elsewhere" / ".metadata").is_file()
+    writer = type(storage.writer("x"))
+    assert writer.validate_checkpoint_id(str(tmp_path)) and writer.validate_checkpoint_id("memory://a")
+    assert not writer.validate_checkpoint_id("nosuch://a")
+
+
+# ---------------------------------------------------------------- zarr v3 arrays
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ZarrBFloat16(Float16):
+    """zarr-python 3.1 lacks the zarr-extensions ``bfloat16`` data type TensorStore writes; a reader adds it so."""
+
+    dtype_cls = type(np.dtype(ml_dtypes.bfloat16))
+    _zarr_v3_name = "bfloat16"
+    _zarr_v2_names = ()
+
+
+@pytest.fixture
+def zarr_with_bfloat16() -> Iterator[None]:
+    added = "bfloat16" not in data_type_registry.contents
+    if added:
+        data_type_registry.register("bfloat16", _ZarrBFloat16)
+    yield
+    if added:
+        del data_type_registry.contents["bfloat16"]
+
+
+def _as_torch(array: np.ndarray) -> torch.Tensor:
+    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+@pytest.mark.usefixtures("zarr_with_bfloat16")
+def test_tensorstore_arrays_open_with_zarr_python(tmp_path: Path) -> None:
+    storage = make_storage("tensorstore", str(tmp_path))
+    state = _state()
+    dcp.save(state, storage_writer=storage.writer("step_1"), no_dist=True)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            offsets = ".".join("0" * value.dim())
+            array = zarr.open_array(tmp_path / "step_1" / key / f"@{offsets}", mode="r")
+            assert array.metadata.zarr_format == 3 and array.shape == value.shape
+            _assert_bitwise(value, _as_torch(np.asarray(array[...]).reshape(array.shape)))
+
+
+class RowsPlanner(DefaultSavePlanner):
+    """DCP's planner, except that the tensors in ``rows`` are written as the row range given (as MoC's planner does)."""
+
+    def __init__(self, rows: dict[str, tuple[int, int]]) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self.plan = dataclasses.replace(plan, items=[self._narrow(item) for item in plan.items])
+        return self.plan
+
+    def _narrow(self, item: WriteItem) -> WriteItem:
+        if item.index.fqn not in self.rows:
+            return item
+        start, stop = self.rows[item.index.fqn]
+        size = item.tensor_data.size
+        chunk = ChunkStorageMetadata(
+            offsets=torch.Size([start, *[0] * (len(size) - 1)]), sizes=torch.Size([stop - start, *size[1:]])
+        )
+        return dataclasses.replace(
+            item,
+            index=MetadataIndex(item.index.fqn, chunk.offsets),
+            type=WriteItemType.SHARD,  # DCP's word for "one chunk of a tensor that may have several"
+            tensor_data=TensorWriteData(chunk=chunk, properties=item.tensor_data.properties, size=size),
+        )
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.index.fqn not in self.rows:
+            return super().resolve_data(write_item)
+        chunk = write_item.tensor_data.chunk  # DCP looks chunks up by offset only in sharded tensors
+        return self.state_dict[write_item.index.fqn].narrow(0, chunk.offsets[0], chunk.sizes[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_chunk_stores_and_reads_back_its_rows(backend: str, tmp_path: Path) -> None:
+    w = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    storage = make_storage(backend, str(tmp_path))
+    planner = RowsPlanner({"w": (2, 5)})
+    dcp.save({"w": w, "b": torch.ones(3)}, storage_writer=storage.writer("step_1"), planner=planner, no_dist=True)
+    loaded = {"w": torch.full((8, 4), -1.0), "b": torch.zeros(3)}
+    dcp.load(loaded, storage_reader=storage.reader("step_1"), no_dist=True)
+    expected = torch.full((8, 4), -1.0)
+    expected[2:5] = w[2:5]  # rows never written keep the caller's values
+    assert torch.equal(loaded["w"], expected)
+    assert torch.equal(loaded["b"], torch.ones(3))
+    if backend == "tensorstore":
+        assert np.array_equal(zarr.open_array(tmp_path / "step_1" / "w" / "@2.0", mode="r")[...], w[2:5].numpy())
+
+
+def test_tensorstore_reads_exactly_the_requested_box(tmp_path: Path) -> None:
+    """A resharded load asks for a box inside a stored chunk; the reader must return that box, not the chunk."""
+    w = torch.arange(48, dtype=torch.int32).reshape(8, 6)
+    storage = make_storage("tensorstore", str(tmp_path))
+    dcp.save({"w": w}, storage_writer=storage.writer("step_1"), planner=RowsPlanner({"w": (2, 8)}), no_dist=True)
+    reader = storage.reader("step_1")
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, is_coordinator=True)
+    dest = torch.zeros(3, 2, dtype=torch.int32)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"w": dest}, metadata, is_coordinator=True)
+    item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("w"),
+        dest_offsets=torch.Size([0, 0]),
+        storage_index=MetadataIndex("w", [2, 0]),
+        storage_offsets=torch.Size([1, 3]),  # rows 3..6 and columns 3..5 of w, relative to the chunk at row 2
+        lengths=torch.Size([3, 2]),
+    )
+    reader.read_data(LoadPlan([item]), planner).wait()
+    assert torch.equal(dest, w[3:6, 3:5])
+
+
+def test_tensorstore_round_trip_across_many_zarr_chunks_and_a_tiny_io_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large tensors span several zarr chunks and several tensors overlap in flight; both paths stay exact."""
+    monkeypatch.setattr(zarr_arrays, "TARGET_CHUNK_BYTES", 64)  # 4 float32 rows of 4 per zarr chunk
+    monkeypatch.setattr(zarr_dcp, "IN_FLIGHT_BYTES", 100)
+    state = {f"w{i}": torch.randn(10, 4) for i in range(4)}
+    storage = make_storage("tensorstore", str(tmp_path))
+    dcp.save(state, storage_writer=storage.writer("step_1"), planner=RowsPlanner({"w0": (1, 10)}), no_dist=True)
+    assert sorted(p.name for p in (tmp_path / "step_1" / "w0" / "@1.0" / "c").iterdir()) == ["0", "1", "2"]
+    loaded = {key: torch.zeros(10, 4) for key in state}
+    dcp.load(loaded, storage_reader=storage.reader("step_1"), no_dist=True)
+    assert torch.equal(loaded["w0"][1:], state["w0"][1:]) and torch.equal(loaded["w0"][0], torch.zeros(4))
+    for key in ("w1", "w2", "w3"):
+        _assert_bitwise(state[key], loaded[key])
+
+
+class _Done:
+    def __init__(self, i: int, settled: list[int]) -> None:
+        self.i, self.settled = i, settled
+
+    def result(self) -> int:
+        self.settled.append(self.i)
+        return self.i
+
+
+@pytest.mark.parametrize("sizes", [[3, 3, 3, 10, 1, 2], [7], [1, 1, 1, 1]])
+def test_in_flight_bounds_unfinished_bytes(sizes: list[int]) -> None:
+    limit = 6
+    unfinished: dict[int, int] = {}
+    finished: list[int] = []
+
+    def start(i: int) -> tuple[int, _Done]:
+        unfinished[i] = sizes[i]
+        assert sum(unfinished.values()) <= max(limit, sizes[i])  # the limit, or one big operation alone
+        return i, _Done(i, finished)
+
+    for i, operation in inflight.in_flight(((n, functools.partial(start, i)) for i, n in enumerate(sizes)), limit):
+        operation.result()
+        del unfinished[i]
+    assert finished == list(range(len(sizes)))
+
+
+def test_in_flight_settles_what_it_started_when_stopped_early() -> None:
+    settled: list[int] = []
+    operations = ((1, functools.partial(lambda i: (i, _Done(i, settled)), i)) for i in range(5))
+    with contextlib.closing(inflight.in_flight(operations, limit_bytes=3)) as running:
+        first, _ = next(running)  # operations 0, 1, 2 are running; the caller abandons the loop here
+    assert first == 0 and settled == [1, 2]
+
+
+def _save_my_rows(rank: int, world_size: int, url: str) -> None:
+    """Each rank writes a different row range of ``w`` (rank 0 rows [0, 3), rank 1 rows [3, 8)); ``b`` is replicated."""
+    rows = [(0, 3), (3, 8)][rank]
+    state = {"w": torch.arange(40, dtype=torch.float32).reshape(8, 5).bfloat16(), "b": torch.ones(2), "note": "x"}
+    dcp.save(state, storage_writer=make_storage("tensorstore", url).writer("step_1"), planner=RowsPlanner({"w": rows}))
+
+
+@pytest.mark.slow
+def test_two_ranks_write_row_ranges_one_process_reads_the_whole_tensor(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    run_ranks(_save_my_rows, 2, tmp_path, url)
+    loaded = {"w": torch.zeros(8, 5, dtype=torch.bfloat16), "b": torch.zeros(2), "note": None}
+    dcp.load(loaded, storage_reader=make_storage("tensorstore", url).reader("step_1"), no_dist=True)
+    _assert_bitwise(torch.arange(40, dtype=torch.float32).reshape(8, 5).bfloat16(), loaded["w"])
+    assert torch.equal(loaded["b"], torch.ones(2)) and loaded["note"] == "x"
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step_1" / "w").iterdir()) == ["@0.0", "@3.0"]
+
+
+# ---------------------------------------------------------------- configuration errors
+
+
+def test_unknown_backend_names_the_option_and_choices(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.backend='s3'.*filesystem, tensorstore"):
+        make_storage("s3", str(tmp_path))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unopenable_url_names_the_option(backend: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_bytes(b"")
+    for url in (str(blocker / "ckpt"), "", "file://otherhost/ckpt"):
+        with pytest.raises(ValueError, match=r"checkpoint\.storage\.url"):
+            make_storage(backend, url)
+
+
+def test_url_schemes_per_backend() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.url='gs://bucket/ckpt'.*backend=tensorstore"):
+        make_storage("filesystem", "gs://bucket/ckpt")
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.url='nosuch://x'"):
+        make_storage("tensorstore", "nosuch://x")
+
+
+def test_tensorstore_refuses_unsupported_dtypes_by_name(tmp_path: Path) -> None:
+    storage = make_storage("tensorstore", str(tmp_path))
+    with pytest.raises(CheckpointException, match=r"cannot store torch\.complex64.*bfloat16"):
+        dcp.save({"z": torch.zeros(2, dtype=torch.complex64)}, storage_writer=storage.writer("step_1"), no_dist=True)
