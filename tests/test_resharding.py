@@ -12,16 +12,19 @@ from trainee import load_fresh, train_and_checkpoint
 from moc_lightning.units import parse_unit
 
 
-@pytest.fixture(scope="module")
-def written_by_4_ranks_ep2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+@pytest.fixture(scope="module", params=["filesystem", "tensorstore"])
+def written_by_4_ranks_ep2(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, dict]:
     """Checkpoints at steps 2 and 4 written by 4 ranks in 2 EP groups of 2; every rank's captured state."""
     root = tmp_path_factory.mktemp("reshard")
     url = (root / "ckpt").as_uri()
-    results = run_ranks(train_and_checkpoint, 4, root, url, 2)
+    results = run_ranks(train_and_checkpoint, 4, root, url, 2, request.param)
     merged = dict(results[0])
     merged["captured"] = {
         step: {key: t for r in results for key, t in r["captured"][step].items()} for step in (2, 4)
     }
+    merged["backend"] = request.param
     return url, merged
 
 
@@ -31,10 +34,11 @@ def test_load_under_another_topology(
     tmp_path: Path, written_by_4_ranks_ep2: tuple[str, dict], world_size: int, ep: int | None
 ) -> None:
     url, written = written_by_4_ranks_ep2
+    backend = written["backend"]
     if world_size == 1:
-        loaded = [load_fresh(0, 1, url)]
+        loaded = [load_fresh(0, 1, url, None, backend)]
     else:
-        loaded = run_ranks(load_fresh, world_size, tmp_path, url, ep)
+        loaded = run_ranks(load_fresh, world_size, tmp_path, url, ep, backend)
     for result in loaded:
         check_round_trip(written | result)
     experts = {parse_unit(k).key for r in loaded for k in r["loaded"] if k.startswith("expert/")}

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from moc_lightning.checkpointer import PECCheckpointer
-from moc_lightning.config import CheckpointConfig
+from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.storage import make_storage
@@ -69,11 +69,13 @@ def every_step_config(k_snapshot: int, k_persist: int, **kw) -> CheckpointConfig
 
 
 
-def train_and_checkpoint(rank: int, world_size: int, url: str, ep: int | None = None) -> dict:
+def train_and_checkpoint(
+    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem"
+) -> dict:
     """Six steps with PEC checkpoints (K=4 of 8) at steps 2 and 4, which save disjoint expert subsets."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
     trainee = Trainee(topology)
-    engine = trainee.engine(every_step_config(4, 4), url)
+    engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url)
     captured, saved = {}, {}
     for step in range(1, 7):
         trainee.step(step)
@@ -85,9 +87,11 @@ def train_and_checkpoint(rank: int, world_size: int, url: str, ep: int | None = 
     return {"captured": captured, "saved": saved, "counts": trainee.counts, "assigned": trainee.assigned}
 
 
-def load_fresh(rank: int, world_size: int, url: str, ep: int | None = None) -> dict:
+def load_fresh(
+    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem"
+) -> dict:
     """A differently initialised model restored from storage: what it loaded and from which steps."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
     fresh = Trainee(topology, seed=1)
-    load = fresh.engine(every_step_config(4, 4), url).load_latest()
+    load = fresh.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url).load_latest()
     return {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
