@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from moc_lightning.config import CheckpointConfig
-from moc_lightning.layout import Layout, materialize_optimizer_state
+from moc_lightning.layout import Layout, materialize_optimizer_state, param_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
 from moc_lightning.manifest import CheckpointRecord, Manifest
 from moc_lightning.models.moe import MoELayer
@@ -101,6 +101,7 @@ class PECCheckpointer:
         self._pending = [torch.zeros(n, dtype=torch.int64) for n in num_experts]
         self._pending_assigned = [0] * len(num_experts)
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self._param_sources: dict[str, dict[str, Any]] | None = None
 
     # ----------------------------------------------------------------- tokens
     def record_tokens(self, moe_layers: Sequence[MoELayer]) -> None:
@@ -169,8 +170,9 @@ class PECCheckpointer:
             ep=self.topology.ep,
             backend=self.backend,
         )
+        param_sources = self._gather_param_sources()  # collective on first use: every rank, before the commit
         if self._is_coordinator:
-            self._commit(record)
+            self._commit(record, param_sources)
         self._barrier()
         return SaveReport(
             step=step,
@@ -181,17 +183,49 @@ class PECCheckpointer:
             seconds=time.perf_counter() - start,
         )
 
-    def _commit(self, record: CheckpointRecord) -> None:
+    def _commit(self, record: CheckpointRecord, param_sources: dict[str, dict[str, Any]]) -> None:
         """Self-description first, then the manifest (the commit point), then retention's deletions."""
-        self.storage.put(f"{record.name}/moc.json", json.dumps(self._describe(record)).encode())
+        self.storage.put(f"{record.name}/moc.json", json.dumps(self._describe(record, param_sources)).encode())
         manifest, removed = self.read_manifest().with_record(record).retire(self.cfg.retention)
         self.storage.put(MANIFEST, manifest.to_json())
         for name in removed:
             self.storage.delete(name)
         self.ledger.prune(min(r.step for r in manifest.records))
 
-    def _describe(self, record: CheckpointRecord) -> dict[str, Any]:
-        return {"record": dataclasses.asdict(record), "engine": self.state_dict()}
+    def _describe(self, record: CheckpointRecord, param_sources: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The record, the engine state and the model parameter behind each weight key stored here.
+
+        The parameter map lets ``moc-consolidate`` write a dense checkpoint under the model's own names
+        without building the model.
+        """
+        held = set(record.units)
+        return {
+            "record": dataclasses.asdict(record),
+            "engine": self.state_dict(),
+            "layout": {
+                "num_experts": list(self.layout.num_experts),
+                "params": {key: src for key, src in param_sources.items() if parse_unit(key).key in held},
+            },
+        }
+
+    def _gather_param_sources(self) -> dict[str, dict[str, Any]]:
+        """Weight key -> ``{"param": name, "index": stacked slice or None}`` of every unit on any rank.
+
+        Gathered once from all ranks, because under expert parallelism the coordinator that describes a
+        checkpoint does not hold the other ranks' experts.
+        """
+        if self._param_sources is None:
+            local = {
+                param_key(unit, slot.local_name): {"param": slot.param, "index": slot.index}
+                for unit, slots in self.layout.slots.items()
+                for slot in slots
+            }
+            parts: list[dict[str, dict[str, Any]] | None] = [local]
+            if dist.is_initialized():
+                parts = [None] * dist.get_world_size(self.process_group)
+                dist.all_gather_object(parts, local, group=self.process_group)
+            self._param_sources = {key: src for part in parts for key, src in part.items()}
+        return self._param_sources
 
     def _writes(self, units: Sequence[Unit], state: dict[str, torch.Tensor]) -> dict[str, RowRange] | None:
         """Rows of every local tensor this rank writes, from the ownership of ``units``."""

@@ -1,0 +1,323 @@
+"""Dense consolidation (sparse-to-dense): one ordinary checkpoint from a run's partial ones.
+
+PEC spreads the newest model over several checkpoints: the latest holds every dense unit but only K
+experts per MoE layer, older ones hold the others. Tools outside MoC (Lightning, inference servers,
+evaluation scripts) want one file under the model's own parameter names. This module takes every dense
+unit from the latest checkpoint and every expert from the newest checkpoint that holds it (the choice
+:meth:`PECCheckpointer.load_latest` makes), reads those tensors with DCP (whatever world size and EP
+degree wrote them: chunks are merged), maps unit keys back to parameter names with the map every
+checkpoint's ``moc.json`` carries, re-stacks stacked expert tensors, and writes one of:
+
+- ``lightning``: a ``torch.save``d Lightning-shaped checkpoint (``state_dict``, ``global_step``, ...)
+  plus the optimizer state by parameter name; it loads with ``torch.load(..., weights_only=True)``.
+- ``dcp``: a DCP directory keyed by parameter name, loadable by ``dcp.load`` into ``model.state_dict()``.
+- ``safetensors``: the weights only.
+
+Usage: ``moc-consolidate CHECKPOINT_DIR --out PATH [--format lightning|dcp|safetensors] [--allow-missing]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+from tqdm import tqdm
+
+from moc_lightning.checkpointer import MANIFEST
+from moc_lightning.layout import param_key
+from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
+from moc_lightning.storage import CheckpointStorage, make_storage
+from moc_lightning.storage.location import local_path
+from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
+
+CONTROL_BACKEND = "tensorstore"
+"""Backend used to read control objects: it opens local roots and kvstore URLs alike, and on a local root
+it reads the very files the ``filesystem`` backend writes. Tensors are read through each record's backend."""
+
+OPTIMIZER_KEY = "moc_optimizer_state"
+"""Where the ``lightning`` and ``dcp`` formats keep the optimizer state: ``{parameter: {state: tensor}}``."""
+
+
+class ConsolidateError(ValueError):
+    """The checkpoints cannot be consolidated as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which checkpoint each unit is read from."""
+
+    step: int
+    """Step of the latest checkpoint: the step the dense result stands for."""
+    sources: Mapping[str, CheckpointRecord]
+    """Unit key -> the checkpoint holding its newest stored version."""
+    missing: tuple[str, ...]
+    """Experts that no listed checkpoint holds."""
+
+    def reads(self) -> list[tuple[CheckpointRecord, frozenset[str]]]:
+        """Each checkpoint to read, oldest first, with the units taken from it."""
+        records = sorted(set(self.sources.values()), key=lambda r: r.step)
+        return [(r, frozenset(u for u, s in self.sources.items() if s == r)) for r in records]
+
+    def provenance(self) -> dict[str, Any]:
+        """Where the dense checkpoint came from, written into every format so it stays traceable."""
+        return {
+            "step": self.step,
+            "source_steps": {unit: record.step for unit, record in sorted(self.sources.items())},
+            "missing": list(self.missing),
+        }
+
+
+def plan(manifest: Manifest, num_experts: Sequence[int]) -> Plan:
+    """Dense units from the latest checkpoint, each expert from the newest checkpoint holding it."""
+    latest = manifest.latest
+    if latest is None:
+        raise ValueError("a plan needs a manifest that lists at least one checkpoint")
+    dense = [u for u in latest.units if isinstance(parse_unit(u), DenseUnit)]
+    experts = [ExpertUnit(layer, e).key for layer, n in enumerate(num_experts) for e in range(n)]
+    newest = {unit: manifest.newest(unit) for unit in dense + experts}
+    return Plan(
+        step=latest.step,
+        sources={unit: record for unit, record in newest.items() if record is not None},
+        missing=tuple(unit for unit, record in newest.items() if record is None),
+    )
+
+
+class StorageRoot:
+    """A MoC storage root opened for reading; each checkpoint is read through the backend that wrote it."""
+
+    def __init__(self, url: str) -> None:
+        path = local_path(url)
+        if path is not None and not path.is_dir():
+            raise ConsolidateError(f"checkpoint directory {url!r} does not exist")
+        self.url = url
+        self._storages: dict[str, CheckpointStorage] = {}
+
+    def manifest(self) -> Manifest:
+        """The committed manifest, which must list at least one checkpoint."""
+        data = self._storage(CONTROL_BACKEND).get(MANIFEST)
+        manifest = Manifest() if data is None else Manifest.from_json(data)
+        if manifest.latest is None:
+            raise ConsolidateError(
+                f"no committed checkpoint under {self.url!r}: no {MANIFEST}, or it lists none; is this the "
+                "storage root of a MoC run (checkpoint.storage.url)?"
+            )
+        return manifest
+
+    def layout(self, record: CheckpointRecord) -> dict[str, Any]:
+        """The ``layout`` section of a checkpoint's ``moc.json``: ``num_experts`` and the parameter map."""
+        data = self._storage(CONTROL_BACKEND).get(f"{record.name}/moc.json")
+        layout = json.loads(data).get("layout") if data is not None else None
+        if layout is None:
+            raise ConsolidateError(
+                f"{record.name}/moc.json has no parameter map (written by an older moc_lightning, or lost); "
+                "the checkpoint cannot be mapped back to parameter names"
+            )
+        return layout
+
+    def reader(self, record: CheckpointRecord) -> StorageReader:
+        return self._storage(record.backend).reader(record.name)
+
+    def _storage(self, backend: str) -> CheckpointStorage:
+        if backend not in self._storages:
+            self._storages[backend] = make_storage(backend, self.url)
+        return self._storages[backend]
+
+
+def read_units(reader: StorageReader, units: frozenset[str]) -> dict[str, torch.Tensor]:
+    """Every stored tensor of ``units`` in one checkpoint, whole: sized from its metadata, filled by DCP."""
+    metadata = reader.read_metadata().state_dict_metadata
+    tensors = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if parse_unit(key).key in units
+    }
+    absent = units - {parse_unit(key).key for key in tensors}
+    if absent:
+        raise ConsolidateError(f"the manifest says units {sorted(absent)[:5]} are stored, but no tensor of theirs is")
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored tensor and its place in the dense model."""
+
+    param: str
+    """Model parameter name."""
+    state: str | None
+    """Optimizer state name (``exp_avg``); ``None`` for the weight itself."""
+    unit: Unit
+    index: int | None
+    """Slice of a stacked ``[E, ...]`` parameter (``None``: the unit owns the parameter whole)."""
+    step: int
+    tensor: torch.Tensor
+
+
+def place(tensors: Mapping[str, torch.Tensor], params: Mapping[str, Any], record: CheckpointRecord) -> list[Piece]:
+    """Route every tensor read from ``record`` to its parameter with the checkpoint's parameter map."""
+    pieces = []
+    for key, tensor in tensors.items():
+        unit = parse_unit(key)
+        kind, rest = key[len(unit.key) + 1 :].split("/", 1)
+        local_name, state = (rest, None) if kind == "param" else rest.rsplit("/", 1)
+        source = params.get(param_key(unit, local_name))
+        if source is None:
+            raise ConsolidateError(f"{record.name}/moc.json names no parameter for {param_key(unit, local_name)!r}")
+        pieces.append(Piece(source["param"], state, unit, source["index"], record.step, tensor))
+    return pieces
+
+
+def read_pieces(root: StorageRoot, chosen: Plan, progress: bool = True) -> list[Piece]:
+    """Read every planned unit, one checkpoint at a time."""
+    pieces: list[Piece] = []
+    for record, units in tqdm(chosen.reads(), desc="moc-consolidate", unit="checkpoint", disable=not progress):
+        params = root.layout(record)["params"]
+        pieces += place(read_units(root.reader(record), units), params, record)
+    return pieces
+
+
+@dataclass(frozen=True)
+class DenseCheckpoint:
+    """The consolidated state under the model's parameter names."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, dict[str, torch.Tensor]]
+    provenance: dict[str, Any]
+
+
+def assemble(pieces: Sequence[Piece], num_experts: Sequence[int], provenance: dict[str, Any]) -> DenseCheckpoint:
+    """Group pieces by parameter (and optimizer state) and join each group into one dense tensor."""
+    groups: dict[tuple[str, str | None], list[Piece]] = {}
+    for piece in pieces:
+        groups.setdefault((piece.param, piece.state), []).append(piece)
+    weights = {param: _join(g, num_experts) for (param, state), g in groups.items() if state is None}
+    optimizer: dict[str, dict[str, torch.Tensor]] = {}
+    for (param, state), group in groups.items():
+        if state is not None:
+            optimizer.setdefault(param, {})[state] = _join(group, num_experts, weights[param].shape[1:])
+    return DenseCheckpoint(weights, optimizer, provenance)
+
+
+def _join(group: Sequence[Piece], num_experts: Sequence[int], slice_shape: torch.Size | None = None) -> torch.Tensor:
+    """One dense tensor from its pieces.
+
+    A parameter owned whole comes from exactly one unit. A stacked parameter is its experts' slices in
+    global expert order, so it needs every expert of its MoE layer. Optimizer state (given with the shape
+    ``slice_shape`` of its parameter's slices) that is not of that shape was never sliced (Adam's scalar
+    ``step``, shared by a stacked parameter's experts): the newest piece's value is taken, as the live
+    loader's last copy would.
+    """
+    first = group[0]
+    if first.index is None:
+        if len(group) > 1:
+            raise ConsolidateError(
+                f"units {[p.unit.key for p in group]} all map to parameter {first.param!r}: the checkpoint names "
+                "experts by rank-local names, which do not identify one parameter of a dense model"
+            )
+        return first.tensor
+    if slice_shape is not None and first.tensor.shape != slice_shape:
+        return max(group, key=lambda p: p.step).tensor
+    ordered = sorted(group, key=lambda p: p.unit)
+    held = [p.unit.expert for p in ordered]
+    expected = list(range(num_experts[first.unit.layer]))
+    if held != expected:
+        raise ConsolidateError(
+            f"stacked parameter {first.param!r} needs experts {expected}, only {held} are stored; "
+            "a stacked tensor cannot leave out a never-stored expert, even with --allow-missing"
+        )
+    return torch.stack([p.tensor for p in ordered])
+
+
+def write_lightning(dense: DenseCheckpoint, out: Path) -> None:
+    """A Lightning-shaped checkpoint of plain tensors, ints, strings and dicts (``weights_only`` loads it)."""
+    torch.save(
+        {
+            "state_dict": dense.weights,
+            "global_step": dense.provenance["step"],
+            "epoch": 0,
+            "pytorch-lightning_version": lightning.__version__,
+            OPTIMIZER_KEY: dense.optimizer,
+            "moc": dense.provenance,
+        },
+        out,
+    )
+
+
+def write_dcp(dense: DenseCheckpoint, out: Path) -> None:
+    """A single-process DCP checkpoint whose top-level keys are the parameter names; replaces one at ``out``."""
+    state = {**dense.weights, OPTIMIZER_KEY: dense.optimizer, "moc": json.dumps(dense.provenance)}
+    dcp.save(state, storage_writer=FileSystemWriter(out, overwrite=True), no_dist=True)
+
+
+def write_safetensors(dense: DenseCheckpoint, out: Path) -> None:
+    """The weights only (safetensors holds tensors), with the provenance as JSON metadata."""
+    tensors = {name: tensor.contiguous() for name, tensor in dense.weights.items()}
+    save_file(tensors, str(out), metadata={"format": "pt", "moc": json.dumps(dense.provenance)})
+
+
+WRITERS: dict[str, Callable[[DenseCheckpoint, Path], None]] = {
+    "lightning": write_lightning,
+    "dcp": write_dcp,
+    "safetensors": write_safetensors,
+}
+
+
+def consolidate(
+    url: str, out: str | Path, fmt: str = "lightning", *, allow_missing: bool = False, progress: bool = True
+) -> dict[str, Any]:
+    """Write the newest stored version of every unit of the run under ``url`` as one dense checkpoint.
+
+    Returns the provenance written with it: the step, each unit's source step and any missing experts.
+    """
+    if fmt not in WRITERS:
+        raise ConsolidateError(f"--format {fmt!r} is not supported; choose one of: {', '.join(WRITERS)}")
+    root = StorageRoot(url)
+    manifest = root.manifest()
+    num_experts = root.layout(manifest.latest)["num_experts"]
+    chosen = plan(manifest, num_experts)
+    if chosen.missing and not allow_missing:
+        raise ConsolidateError(
+            f"experts {list(chosen.missing)} were never stored, so no dense checkpoint holds the whole model; "
+            "pass --allow-missing to write one without them"
+        )
+    dense = assemble(read_pieces(root, chosen, progress), num_experts, chosen.provenance())
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    WRITERS[fmt](dense, out)
+    return dense.provenance
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``moc-consolidate``: the command-line entry point."""
+    parser = argparse.ArgumentParser(
+        prog="moc-consolidate",
+        description="Write one dense checkpoint holding every unit of a MoC run at its newest stored version.",
+    )
+    parser.add_argument("checkpoint_dir", help="storage root of the run (the directory holding manifest.json)")
+    parser.add_argument("--out", required=True, help="output file (lightning, safetensors) or directory (dcp)")
+    parser.add_argument("--format", default="lightning", choices=tuple(WRITERS), help="output format")
+    parser.add_argument(
+        "--allow-missing", action="store_true", help="leave out experts that were never stored instead of failing"
+    )
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings():  # DCP warns on every single-process call, which is all this command makes
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            provenance = consolidate(args.checkpoint_dir, args.out, args.format, allow_missing=args.allow_missing)
+    except (ConsolidateError, ManifestError) as err:
+        parser.exit(1, f"moc-consolidate: error: {err}\n")
+    print(f"moc-consolidate: wrote step {provenance['step']} to {args.out} ({args.format})")
+
+
+if __name__ == "__main__":
+    main()

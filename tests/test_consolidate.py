@@ -1,0 +1,222 @@
+"""Dense consolidation: every format holds bitwise what ``load_latest`` restores, under the model's own names."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
+
+from moc_lightning.checkpointer import PECCheckpointer
+from moc_lightning.config import StorageConfig
+from moc_lightning.consolidate import OPTIMIZER_KEY, ConsolidateError, consolidate, main
+from moc_lightning.layout import build_layout
+from moc_lightning.models import ExpertParallelTopology
+from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.storage import make_storage
+
+CHECKPOINT_STEPS = (2, 4)
+
+
+@dataclass
+class Run:
+    """A model with its optimizer, and the PEC engine checkpointing it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    engine: PECCheckpointer
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, TINY.vocab_size, (8, TINY.block_size + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _engine_run(model: nn.Module, url: str, k: int, backend: str = "filesystem") -> Run:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    layout = build_layout(model, optimizer, num_experts=TINY.num_experts)
+    cfg = every_step_config(k, k, storage=StorageConfig(backend=backend))
+    engine = PECCheckpointer(cfg, layout, ExpertParallelTopology(), make_storage(backend, url), backend=backend)
+    return Run(model, optimizer, engine)
+
+
+def _lightning_run(url: str, seed: int = 0) -> Run:
+    """The reference ``GPTMoEModule`` as Lightning builds it (parameters named ``model.…``), ep=1, K=4 of 8."""
+    module = GPTMoEModule(TINY, seed=seed)
+    module.configure_model()
+    return _engine_run(module, url, k=4)
+
+
+def _train(run: Run, steps: int, checkpoint_steps: tuple[int, ...]) -> None:
+    """Train a ``_lightning_run`` by hand (no Trainer needed to exercise the engine) and checkpoint it."""
+    for step in range(1, steps + 1):
+        _, loss, _ = run.model.model(*_batch(step))
+        run.optimizer.zero_grad()
+        loss.backward()
+        run.optimizer.step()
+        run.engine.record_tokens(run.model.moe_layers())
+        if step in checkpoint_steps:
+            run.engine.checkpoint(step)
+
+
+@torch.no_grad()
+def _val_loss(module: GPTMoEModule) -> torch.Tensor:
+    return module.model(*_batch(999))[1]
+
+
+def _assert_weights_equal(weights: dict[str, torch.Tensor], model: nn.Module) -> None:
+    live = dict(model.named_parameters())
+    assert weights.keys() == live.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, live[name]), f"{name} differs from the restored model"
+
+
+def _assert_optimizer_equal(state: dict[str, dict[str, torch.Tensor]], run: Run) -> None:
+    live = {name: run.optimizer.state[p] for name, p in run.model.named_parameters()}
+    assert state.keys() == live.keys()
+    for name, states in state.items():
+        assert states.keys() == live[name].keys()
+        for key, tensor in states.items():
+            assert torch.equal(tensor, live[name][key]), f"optimizer state {key} of {name} differs"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Run]:
+    """A run checkpointed at steps 2 and 4 (disjoint experts), and a fresh model restored by ``load_latest``."""
+    url = tmp_path_factory.mktemp("ckpt").as_uri()
+    _train(_lightning_run(url), steps=6, checkpoint_steps=CHECKPOINT_STEPS)
+    restored = _lightning_run(url, seed=1)
+    restored.engine.load_latest()
+    return url, restored
+
+
+def test_lightning_format_loads_strictly_with_the_restored_loss(trained: tuple[str, Run], tmp_path: Path) -> None:
+    url, restored = trained
+    out = tmp_path / "dense.ckpt"
+    main([url, "--out", str(out), "--format", "lightning"])
+    ckpt = torch.load(out, weights_only=True)
+    fresh = GPTMoEModule(TINY, seed=2)
+    fresh.configure_model()
+    fresh.load_state_dict(ckpt["state_dict"], strict=True)
+    assert torch.equal(_val_loss(fresh), _val_loss(restored.model))
+    _assert_weights_equal(ckpt["state_dict"], restored.model)
+    _assert_optimizer_equal(ckpt[OPTIMIZER_KEY], restored)
+    assert ckpt["global_step"] == 4
+    source_steps = ckpt["moc"]["source_steps"]
+    assert {s for u, s in source_steps.items() if u.startswith("expert/")} == set(CHECKPOINT_STEPS)
+    assert {s for u, s in source_steps.items() if u.startswith("dense/")} == {4}
+
+
+def test_dcp_format_loads_into_the_model_state_dict(trained: tuple[str, Run], tmp_path: Path) -> None:
+    url, restored = trained
+    consolidate(url, tmp_path / "dense", "dcp", progress=False)
+    state = {name: torch.empty_like(t) for name, t in restored.model.state_dict().items()}
+    dcp.load(state, checkpoint_id=tmp_path / "dense", no_dist=True)
+    _assert_weights_equal(state, restored.model)
+    optimizer = {
+        name: {key: torch.empty_like(t) for key, t in restored.optimizer.state[p].items()}
+        for name, p in restored.model.named_parameters()
+    }
+    dcp.load({OPTIMIZER_KEY: optimizer}, checkpoint_id=tmp_path / "dense", no_dist=True)
+    _assert_optimizer_equal(optimizer, restored)
+
+
+def test_safetensors_format_holds_the_weights(trained: tuple[str, Run], tmp_path: Path) -> None:
+    url, restored = trained
+    provenance = consolidate(url, tmp_path / "dense.safetensors", "safetensors", progress=False)
+    _assert_weights_equal(load_file(tmp_path / "dense.safetensors"), restored.model)
+    assert provenance["step"] == 4
+
+
+def test_never_stored_expert_is_an_error_unless_allowed(tmp_path: Path) -> None:
+    url = (tmp_path / "ckpt").as_uri()
+    _train(_lightning_run(url), steps=1, checkpoint_steps=(1,))  # K=4 of 8: half the experts never stored
+    with pytest.raises(ConsolidateError, match=r"experts \[.*'expert/L0/E\d'.*\] were never stored"):
+        consolidate(url, tmp_path / "dense.ckpt", progress=False)
+    provenance = consolidate(url, tmp_path / "dense.ckpt", allow_missing=True, progress=False)
+    assert len(provenance["missing"]) == 2 * 4
+    weights = torch.load(tmp_path / "dense.ckpt", weights_only=True)["state_dict"]
+    for unit in provenance["missing"]:
+        layer, expert = unit.removeprefix("expert/L").split("/E")
+        block = 2 * int(layer) + 1  # tiny model: every second block is an MoE block
+        assert not any(name.startswith(f"model.blocks.{block}.moe.experts.{expert}.") for name in weights)
+
+
+def test_bad_format_and_missing_manifest_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--out", str(tmp_path / "x"), "--format", "onnx"])
+    assert exit_info.value.code == 2
+    assert "--format" in capsys.readouterr().err
+    with pytest.raises(ConsolidateError, match="--format 'onnx' is not supported; choose one of: lightning, dcp"):
+        consolidate(str(tmp_path), tmp_path / "x", "onnx")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path), "--out", str(tmp_path / "x")])
+    assert exit_info.value.code == 1
+    assert "no committed checkpoint under" in capsys.readouterr().err
+    with pytest.raises(ConsolidateError, match="does not exist"):
+        consolidate(str(tmp_path / "nowhere"), tmp_path / "x")
+    assert not (tmp_path / "nowhere").exists()
+
+
+class StackedExperts(nn.Module):
+    """Grouped-GEMM style: one ``[E, d, d]`` expert tensor, each expert a slice along dim 0."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = nn.Parameter(torch.randn(4, 4, generator=generator))
+        self.moe = nn.Module()
+        self.moe.experts = nn.Module()
+        self.moe.experts.w = nn.Parameter(torch.randn(TINY.num_experts, 4, 4, generator=generator))
+
+    def loss(self, step: int) -> torch.Tensor:
+        x = torch.randn(4, generator=torch.Generator().manual_seed(step))
+        return torch.einsum("i,ij,ejk->", x, self.embed, self.moe.experts.w).square()
+
+
+@pytest.mark.parametrize("backend", ["filesystem", "tensorstore"])
+def test_stacked_experts_are_restacked_in_expert_order(tmp_path: Path, backend: str) -> None:
+    url = tmp_path.as_uri()
+    run = _engine_run(StackedExperts(seed=0), url, k=2, backend=backend)  # every expert stored once in steps 1-4
+    for step in range(1, 6):
+        run.optimizer.zero_grad()
+        run.model.loss(step).backward()
+        run.optimizer.step()
+        run.engine.checkpoint(step)
+    restored = _engine_run(StackedExperts(seed=1), url, k=2, backend=backend)
+    restored.engine.load_latest()
+    consolidate(url, tmp_path / "dense.ckpt", progress=False)
+    ckpt = torch.load(tmp_path / "dense.ckpt", weights_only=True)
+    assert len(set(ckpt["moc"]["source_steps"].values())) > 1, "experts come from different checkpoints"
+    _assert_weights_equal(ckpt["state_dict"], restored.model)
+    _assert_optimizer_equal(ckpt[OPTIMIZER_KEY], restored)
+
+
+def _train_ep2(rank: int, world_size: int, url: str) -> dict:
+    return train_and_checkpoint(rank, world_size, url, ep=2)
+
+
+@pytest.mark.slow
+def test_checkpoint_written_with_ep2_consolidates_to_the_dense_model(tmp_path: Path) -> None:
+    url = (tmp_path / "ckpt").as_uri()
+    run_ranks(_train_ep2, 2, tmp_path, url)
+    restored = Trainee(ExpertParallelTopology(), seed=1)  # ep=1: holds every expert
+    restored.engine(every_step_config(4, 4), url).load_latest()
+    consolidate(url, tmp_path / "dense.safetensors", "safetensors", progress=False)
+    weights = load_file(tmp_path / "dense.safetensors")
+    _assert_weights_equal(weights, restored.model)
+    moc = json.loads(_safetensors_metadata(tmp_path / "dense.safetensors")["moc"])
+    assert moc["step"] == 4
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
