@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moc_lightning.sharding import STRATEGIES as SHARDING_STRATEGIES
+
 SELECTION_POLICIES = ("sequential", "load_aware")
-SHARDING_STRATEGIES = ("equal", "adaptive", "rank0", "dcp_default")
 STORAGE_BACKENDS = ("filesystem", "tensorstore")
 RESUME_MODES = ("auto", "never")
 

@@ -1,13 +1,13 @@
 """Sharding report: the busiest rank's checkpoint bytes under each ownership strategy (MoC-System Fig. 10).
 
 For GPT-350M-16E (Table 1) in the three configurations of Table 2, the units are built analytically from
-the model's shapes, the experts of each checkpoint come from a sequential interleaved selection, and every
-strategy of ``moc_lightning.sharding`` is scored by the busiest rank's bytes against the ideal (total bytes
-over ranks). It also times the plan on simulated topologies of thousands of ranks.
+the model's shapes, the experts of each checkpoint come from ``moc_lightning.selection.SequentialSelection``,
+and every strategy of ``moc_lightning.sharding`` is scored by the busiest rank's bytes against the ideal
+(total bytes over ranks). It also times the plan on simulated topologies of thousands of ranks.
 
 Usage: ``python recipes/sharding_report.py out=FILE [plan_ranks=1024,8192]``. Markdown goes to stdout,
-JSON to FILE: ``rows`` (case, strategy, k, busiest_bytes, ideal_bytes, ratio, ...), ``rows_wte_split`` (the
-same with the word embedding cut into world-size row blocks) and ``plan_time`` (ranks, seconds, ...).
+JSON to FILE: ``rows`` (case, strategy, k, busiest_bytes, ideal_bytes, ratio, ...) and ``plan_time``
+(ranks, seconds, ...).
 Run it with the repository on the import path (``pip install -e .`` or ``PYTHONPATH=.``).
 """
 
@@ -17,11 +17,12 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moc_lightning.sharding import STRATEGIES, ShardingUnit, Topology, compute_ownership
+from moc_lightning.selection import SequentialSelection
+from moc_lightning.sharding import STRATEGIES, Ownership, ShardingUnit, Topology, compute_ownership
 from moc_lightning.units import DenseUnit, ExpertUnit
 
 WEIGHT_BYTES = 2
@@ -37,6 +38,8 @@ CASES: dict[str, Topology] = {
 """Table 2: the world size is the DP degree; EP groups are consecutive blocks of ``ep`` ranks."""
 KS = (16, 1)
 TARGET_RATIO = 1.05
+PLAN_TIME_LIMIT_S = 1.0
+"""DESIGN.md, Scale: a plan for thousands of ranks takes well under a second."""
 PLAN_TIMING_EP = 16
 PLAN_TIMING_REPEATS = 3
 
@@ -63,19 +66,11 @@ class GptMoeShape:
         h, f = self.hidden, self.ffn_mult * self.hidden
         return 2 * h * f + f + h
 
-    def dense_params(self, wte_blocks: int = 1) -> list[tuple[str, int]]:
-        """Non-expert modules at layer granularity, in state-dict order, as (name, parameter count).
-
-        ``wte_blocks > 1`` cuts the word embedding into that many blocks of vocabulary rows, the one
-        sub-layer unit that the report tries, because whole it outweighs a rank's fair share.
-        """
+    def dense_params(self) -> list[tuple[str, int]]:
+        """Non-expert modules at layer granularity, in state-dict order, as (name, parameter count)."""
         h = self.hidden
         layer_norm = 2 * h
-        bounds = [block * self.vocab // wte_blocks for block in range(wte_blocks + 1)]
-        modules = [("wte", self.vocab * h)] if wte_blocks == 1 else [
-            (f"wte.rows[{start}:{stop}]", (stop - start) * h) for start, stop in zip(bounds, bounds[1:])
-        ]
-        modules.append(("wpe", self.seq_len * h))
+        modules = [("wte", self.vocab * h), ("wpe", self.seq_len * h)]
         for layer in range(self.layers):
             modules.append((f"layers.{layer}.attn", layer_norm + 4 * h * h + 4 * h))
             if layer in self.moe_layers:
@@ -86,29 +81,23 @@ class GptMoeShape:
         return modules
 
 
-def interleaved_selection(shape: GptMoeShape, ep: int, k: int, checkpoint: int) -> tuple[tuple[int, ...], ...]:
-    """Experts saved by each MoE layer at ``checkpoint``: sequential, interleaved across layers and EP ranks.
+def rotation(shape: GptMoeShape, ep: int, k: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Experts each MoE layer persists at every checkpoint of one full rotation (ceil(N/k) checkpoints).
 
-    Position ``p`` in the rotation is expert slot ``p // ep`` of EP rank ``p % ep`` (EP rank ``r`` holds
-    experts ``[r*N/ep, (r+1)*N/ep)``), so consecutive positions land on different EP ranks; MoE layer ``i``
-    takes positions ``(i + checkpoint) * k + j`` for ``j < k`` (Figure 4), so every expert comes back every
-    ceil(N/k) checkpoints and the layers' picks fall on different EP ranks.
+    The rotation then repeats, so its worst checkpoint is the worst of the whole run.
     """
-    per_rank = shape.experts // ep
-    picks = []
-    for i in range(len(shape.moe_layers)):
-        positions = (((i + checkpoint) * k + j) % shape.experts for j in range(k))
-        picks.append(tuple(sorted((p % ep) * per_rank + (p // ep) % per_rank for p in positions)))
-    return tuple(picks)
+    policy = SequentialSelection(num_experts=[shape.experts] * len(shape.moe_layers), ep_degree=ep)
+    for checkpoint in range(math.ceil(shape.experts / k)):
+        yield policy.select(checkpoint, k, k).persist
 
 
 def checkpoint_units(
-    shape: GptMoeShape, topology: Topology, selection: Sequence[Sequence[int]], wte_blocks: int = 1
+    shape: GptMoeShape, topology: Topology, selection: Sequence[Sequence[int]]
 ) -> tuple[ShardingUnit, ...]:
     """All dense units and the selected experts, in state-dict order; one row per parameter."""
     per_rank = shape.experts // topology.ep
     units = []
-    for name, params in shape.dense_params(wte_blocks):
+    for name, params in shape.dense_params():
         units.append(ShardingUnit(DenseUnit(name).key, "dense", params, BYTES_PER_PARAM, topology.ranks()))
         if name.endswith(".router"):
             moe_index = shape.moe_layers.index(int(name.split(".")[1]))
@@ -134,43 +123,77 @@ class Row:
     case: str
     strategy: str
     k: int
-    wte_blocks: int
     busiest_bytes: int
     ideal_bytes: float
-    whole_unit_floor_bytes: float
-    """Lowest busiest rank any placement of whole dense units can reach, given the equal expert split."""
+    floor_bytes: float
+    """Lowest busiest rank any plan with this strategy's dense pieces can reach (see ``lower_bounds``)."""
+    floor_reason: str
+    """Which bound sets ``floor_bytes``."""
 
     @property
     def ratio(self) -> float:
         return self.busiest_bytes / self.ideal_bytes
 
 
-def whole_unit_floor(units: Sequence[ShardingUnit], topology: Topology) -> float:
-    """max(ideal, busiest expert rank, lightest expert rank + largest dense unit): no whole-unit plan beats it."""
-    experts = [unit for unit in units if unit.kind == "expert"]
-    expert_bytes = compute_ownership(experts, topology, "equal").rank_bytes
-    largest_dense = max(unit.nbytes for unit in units if unit.kind == "dense")
-    ideal = sum(unit.nbytes for unit in units) / topology.world_size
-    return max(ideal, max(expert_bytes), min(expert_bytes) + largest_dense)
+def dense_pieces(ownership: Ownership) -> list[int]:
+    """Bytes of every dense shard: whole units, or the row blocks of an oversized one."""
+    return [
+        shard.rows * unit.row_bytes
+        for unit, shards in zip(ownership.units, ownership.shards)
+        if unit.kind == "dense"
+        for shard in shards
+    ]
 
 
-def score(shape: GptMoeShape, case: str, topology: Topology, strategy: str, k: int, wte_blocks: int = 1) -> Row:
-    """Worst checkpoint of one full rotation (ceil(N/k) checkpoints) of the selection."""
-    busiest, floor, ideal = 0, 0.0, 0.0
-    for checkpoint in range(math.ceil(shape.experts / k)):
-        selection = interleaved_selection(shape, topology.ep, k, checkpoint)
-        units = checkpoint_units(shape, topology, selection, wte_blocks)
-        ownership = compute_ownership(units, topology, strategy)
+def lower_bounds(ownership: Ownership) -> dict[str, float]:
+    """Bounds no plan cutting the dense units into these pieces can beat, given the equal expert split.
+
+    The equal split (section 4.1) gives the lowest busiest expert rank: replicas hold the same experts.
+    """
+    experts = [unit for unit in ownership.units if unit.kind == "expert"]
+    expert_bytes = compute_ownership(experts, ownership.topology, "equal").rank_bytes
+    piece = max(dense_pieces(ownership))
+    return {
+        "the ideal": ownership.ideal_bytes,
+        "the busiest expert rank alone": max(expert_bytes),
+        f"the largest dense piece ({gb(piece)} GB) on the lightest expert rank": min(expert_bytes) + piece,
+    }
+
+
+def score(shape: GptMoeShape, case: str, topology: Topology, strategy: str, k: int) -> Row:
+    """Worst checkpoint of one full rotation of the selection, and the worst floor with its reason."""
+    busiest, floor, reason, ideal = 0, 0.0, "", 0.0
+    for selection in rotation(shape, topology.ep, k):
+        ownership = compute_ownership(checkpoint_units(shape, topology, selection), topology, strategy)
         busiest = max(busiest, ownership.busiest_bytes)
-        floor = max(floor, whole_unit_floor(units, topology))
+        bound_reason, bound = max(lower_bounds(ownership).items(), key=lambda item: item[1])
+        if bound > floor:
+            floor, reason = bound, bound_reason
         ideal = ownership.ideal_bytes
-    return Row(case, strategy, k, wte_blocks, busiest, ideal, floor)
+    return Row(case, strategy, k, busiest, ideal, floor, reason)
+
+
+def split_dense_units(shape: GptMoeShape, topology: Topology) -> str:
+    """Oversized dense units and the blocks ``equal`` pours them into: the same for every selection.
+
+    ``equal`` places dense units ignoring experts; ``adaptive`` pours into the gaps the selection leaves.
+    """
+    units = checkpoint_units(shape, topology, next(rotation(shape, topology.ep, shape.experts)))
+    ownership = compute_ownership(units, topology, "equal")
+    share = sum(unit.nbytes for unit in units if unit.kind == "dense") / topology.world_size
+    split = [
+        f"{unit.key} ({gb(unit.nbytes)} GB) into {len(shards)} blocks of "
+        f"<= {gb(max(shard.rows for shard in shards) * unit.row_bytes)} GB"
+        for unit, shards in zip(ownership.units, ownership.shards)
+        if unit.kind == "dense" and len(shards) > 1
+    ]
+    return f"dense share {gb(share)} GB; split {', '.join(split) or 'nothing'}"
 
 
 def plan_time(shape: GptMoeShape, ranks: int, strategy: str) -> dict[str, float | int | str]:
     """Best-of-3 wall time of an uncached plan of a full checkpoint (K = N) on ``ranks`` simulated ranks."""
     topology = Topology(world_size=ranks, ep=PLAN_TIMING_EP)
-    units = checkpoint_units(shape, topology, interleaved_selection(shape, topology.ep, shape.experts, 0))
+    units = checkpoint_units(shape, topology, next(rotation(shape, topology.ep, shape.experts)))
     seconds = []
     for _ in range(PLAN_TIMING_REPEATS):
         start = time.perf_counter()
@@ -187,39 +210,41 @@ def gb(nbytes: float) -> str:
 def markdown(rows: Sequence[Row], baseline: Mapping[tuple[str, int], int]) -> str:
     """The table, each busiest rank compared to ``baseline`` (rank0's busiest bytes per case and K)."""
     lines = [
-        "| case | K | strategy | busiest GB | ideal GB | busiest/ideal | whole-unit floor/ideal | vs rank0 |",
+        "| case | K | strategy | busiest GB | ideal GB | busiest/ideal | floor/ideal | vs rank0 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lighter = 1 - row.busiest_bytes / baseline[row.case, row.k]
         lines.append(
             f"| {row.case} | {row.k} | {row.strategy} | {gb(row.busiest_bytes)} | {gb(row.ideal_bytes)} "
-            f"| {row.ratio:.3f} | {row.whole_unit_floor_bytes / row.ideal_bytes:.3f} | {lighter:.1%} lighter |"
+            f"| {row.ratio:.3f} | {row.floor_bytes / row.ideal_bytes:.3f} | {lighter:.1%} lighter |"
         )
     return "\n".join(lines)
 
 
-def target_verdicts(rows: Sequence[Row], shape: GptMoeShape) -> list[str]:
-    """Targets: equal and adaptive within 1.05x of ideal at K=16, adaptive at K=1; a miss says why."""
-    verdicts = []
-    for row in rows:
-        if not ((row.strategy in ("equal", "adaptive") and row.k == 16) or (row.strategy, row.k) == ("adaptive", 1)):
-            continue
-        blocks = f", wte in {row.wte_blocks} blocks" if row.wte_blocks > 1 else ""
-        head = f"{row.case} {row.strategy} K={row.k}{blocks}: {row.ratio:.3f}x ideal"
-        floor = row.whole_unit_floor_bytes / row.ideal_bytes
-        if row.ratio <= TARGET_RATIO:
-            verdicts.append(f"- {head}: meets {TARGET_RATIO}x")
-        elif floor > TARGET_RATIO:
-            name, params = max(shape.dense_params(row.wte_blocks), key=lambda module: module[1])
-            verdicts.append(
-                f"- {head}: misses {TARGET_RATIO}x, unreachable with whole dense units: the largest one ({name}, "
-                f"{gb(params * BYTES_PER_PARAM)} GB) on the lightest expert rank already gives {floor:.3f}x; "
-                f"this strategy is {row.busiest_bytes / row.whole_unit_floor_bytes:.3f}x that floor"
-            )
-        else:
-            verdicts.append(f"- {head}: misses {TARGET_RATIO}x although whole units allow {floor:.3f}x")
-    return verdicts
+def is_targeted(row: Row) -> bool:
+    """Targets: equal and adaptive within 1.05x of ideal at K=16, adaptive also at K=1."""
+    return (row.strategy in ("equal", "adaptive") and row.k == 16) or (row.strategy, row.k) == ("adaptive", 1)
+
+
+def target_verdict(row: Row) -> str:
+    """Met, or missed with the reason: unreachable with these pieces (which bound), or the strategy's fault."""
+    head = f"- {row.case} {row.strategy} K={row.k}: {row.ratio:.3f}x ideal"
+    floor = row.floor_bytes / row.ideal_bytes
+    if row.ratio <= TARGET_RATIO:
+        return f"{head}: meets {TARGET_RATIO}x"
+    if floor > TARGET_RATIO:
+        return f"{head}: misses {TARGET_RATIO}x, unreachable: {row.floor_reason} already gives {floor:.3f}x"
+    return f"{head}: misses {TARGET_RATIO}x although its dense pieces allow {floor:.3f}x"
+
+
+def plan_time_verdict(timings: Sequence[Mapping[str, float | int | str]]) -> str:
+    slowest = max(timings, key=lambda timing: timing["seconds"])
+    within = "within" if slowest["seconds"] < PLAN_TIME_LIMIT_S else "OVER"
+    return (
+        f"- plan time: slowest {slowest['seconds']:.3f} s ({slowest['strategy']}, {slowest['ranks']} ranks), "
+        f"{within} {PLAN_TIME_LIMIT_S} s"
+    )
 
 
 def as_json(row: Row) -> dict[str, object]:
@@ -251,12 +276,6 @@ def main(argv: Sequence[str]) -> None:
         for k in KS
         for strategy in STRATEGIES
     ]
-    split_rows = [
-        score(shape, case, topology, strategy, k, wte_blocks=topology.world_size)
-        for case, topology in CASES.items()
-        for k in KS
-        for strategy in ("equal", "adaptive")
-    ]
     baseline = {(row.case, row.k): row.busiest_bytes for row in rows if row.strategy == "rank0"}
     timings = [
         plan_time(shape, int(ranks), strategy) for ranks in args["plan_ranks"].split(",") for strategy in STRATEGIES
@@ -268,15 +287,16 @@ def main(argv: Sequence[str]) -> None:
         f"Vocab padded to {shape.vocab}, LM head tied. Parameters: dense {dense / 1e6:.1f}M, experts "
         f"{expert / 1e6:.1f}M, total {(dense + expert) / 1e9:.3f}G (Table 1 says 1.7G). Experts are split at "
         f"parameter granularity (one row per parameter). Busiest = worst checkpoint over a full rotation of "
-        f"the sequential interleaved selection; ideal = total / ranks. dcp_default treats each unit as one "
+        f"the sequential selection; ideal = total / ranks. floor = the lowest busiest rank any plan with the "
+        f"strategy's dense pieces and the equal expert split can reach. dcp_default treats each unit as one "
         f"DCP write item (real DCP sees one item per tensor, a finer grain).\n"
     )
-    print("## Dense units at layer granularity\n")
+    print("## Oversized dense units (bigger than the dense share): row blocks under equal\n")
+    print("\n".join(f"- {case}: {split_dense_units(shape, topology)}" for case, topology in CASES.items()))
+    print("\n## Busiest rank\n")
     print(markdown(rows, baseline))
-    print("\n## Word embedding cut into world-size blocks of vocabulary rows (a layout choice)\n")
-    print(markdown(split_rows, baseline))
     print("\n## Targets\n")
-    print("\n".join(target_verdicts(rows + split_rows, shape)))
+    print("\n".join([target_verdict(row) for row in rows if is_targeted(row)] + [plan_time_verdict(timings)]))
     print(f"\n## Plan time (uncached, best of {PLAN_TIMING_REPEATS}; 12 MoE layers x 16 experts, K=16, ep={PLAN_TIMING_EP})\n")
     print("| ranks | strategy | (unit, replica) pairs | seconds |\n|---|---|---|---|")
     for timing in timings:
@@ -284,7 +304,6 @@ def main(argv: Sequence[str]) -> None:
     report = {
         "assumptions": {"weight_bytes_per_param": WEIGHT_BYTES, "optimizer_bytes_per_param": OPTIMIZER_BYTES},
         "rows": [as_json(row) for row in rows],
-        "rows_wte_split": [as_json(row) for row in split_rows],
         "plan_time": timings,
     }
     Path(args["out"]).write_text(json.dumps(report, indent=2))

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from moc_lightning.sharding import (
     STRATEGIES,
     Ownership,
+    Shard,
     ShardingUnit,
     Topology,
     compute_ownership,
@@ -30,8 +31,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @st.composite
-def layouts(draw: st.DrawFn) -> tuple[tuple[ShardingUnit, ...], Topology]:
-    """A random topology, a random PEC selection of experts per layer, and a few dense units, shuffled."""
+def layouts(draw: st.DrawFn, dense_on_subsets: bool = False) -> tuple[tuple[ShardingUnit, ...], Topology]:
+    """A random topology, a random PEC selection of experts per layer, and a few dense units, shuffled.
+
+    Dense units are held by every rank, or with ``dense_on_subsets`` by any ranks, so that pouring meets
+    holders that run out or sit on the ideal line.
+    """
     topology = Topology(world_size=(ep := draw(st.integers(1, 4))) * draw(st.integers(1, 4)), ep=ep)
     per_rank = draw(st.integers(1, 3))
     as_tuple = draw(st.booleans())  # holders as a tuple instead of a range: both must work
@@ -57,7 +62,10 @@ def layouts(draw: st.DrawFn) -> tuple[tuple[ShardingUnit, ...], Topology]:
             )
     for name in range(draw(st.integers(0, 6))):
         rows, row_bytes = draw(sizes)
-        units.append(ShardingUnit(f"dense({name})", "dense", rows, row_bytes, holders(topology.ranks())))
+        ranks = topology.ranks()
+        if dense_on_subsets:
+            ranks = tuple(sorted(draw(st.sets(st.sampled_from(ranks), min_size=1))))
+        units.append(ShardingUnit(f"dense({name})", "dense", rows, row_bytes, holders(ranks)))
     return tuple(draw(st.permutations(units))), topology
 
 
@@ -71,7 +79,7 @@ def unit_bytes_by_rank(ownership: Ownership, kind: str) -> list[int]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(layouts(), st.sampled_from(STRATEGIES))
+@given(layouts(dense_on_subsets=True), st.sampled_from(STRATEGIES))
 def test_every_byte_written_once_by_a_holder(layout: tuple[tuple[ShardingUnit, ...], Topology], strategy: str) -> None:
     units, topology = layout
     ownership = compute_ownership(units, topology, strategy)
@@ -82,12 +90,17 @@ def test_every_byte_written_once_by_a_holder(layout: tuple[tuple[ShardingUnit, .
         assert [shard.row_start for shard in shards] == [0] + [shard.row_stop for shard in shards[:-1]]
         assert shards[-1].row_stop == unit.rows
         assert all(shard.rows > 0 for shard in shards) or shards == (shards[0],)
+        assert len({shard.rank for shard in shards}) == len(shards)  # the engine writes one range per rank
     assert sum(ownership.rank_bytes) == sum(unit.nbytes for unit in units)
     for rank in range(topology.world_size):
         writes = ownership.writes_of(rank)
         assert sum(shard.rows * unit.row_bytes for unit, shard in writes) == ownership.rank_bytes[rank]
         assert all(shard.rank == rank for _, shard in writes)
     assert sum(len(ownership.writes_of(rank)) for rank in range(topology.world_size)) == sum(map(len, ownership.shards))
+
+
+def dense_bytes(units: tuple[ShardingUnit, ...]) -> int:
+    return sum(unit.nbytes for unit in units if unit.kind == "dense")
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,11 +111,11 @@ def test_equal_and_adaptive_split_experts_evenly_and_bound_the_busiest_rank(
     units, topology = layout
     ownership = compute_ownership(units, topology, strategy)
     for unit, shards in zip(units, ownership.shards):
-        if unit.kind == "dense":
-            assert len(shards) == 1
-        elif unit.rows >= len(unit.holders):
+        if unit.kind == "expert" and unit.rows >= len(unit.holders):
             assert [shard.rank for shard in shards] == list(unit.holders)
             assert max(s.rows for s in shards) - min(s.rows for s in shards) <= 1
+        elif unit.kind == "dense" and unit.nbytes * topology.world_size <= dense_bytes(units):
+            assert len(shards) == 1  # fits in the dense share: layer granularity
     dense = [unit.nbytes for unit in units if unit.kind == "dense"]
     largest = max(dense, default=0)
     if strategy == "equal":  # dense bytes alone are balanced, whatever the experts do
@@ -110,6 +123,64 @@ def test_equal_and_adaptive_split_experts_evenly_and_bound_the_busiest_rank(
     else:  # greedy onto the lightest rank: never above the ideal plus one dense unit, or the expert peak
         experts = unit_bytes_by_rank(ownership, "expert")
         assert ownership.busiest_bytes <= max(max(experts), ownership.ideal_bytes + largest)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts(), st.sampled_from(["equal", "adaptive"]))
+def test_oversized_dense_units_are_poured_up_to_the_ideal_line(
+    layout: tuple[tuple[ShardingUnit, ...], Topology], strategy: str
+) -> None:
+    """A rank that takes a block of an oversized unit ends at most one row above the strategy's ideal line.
+
+    The line is the dense share for ``equal`` (it ignores experts) and the total over ranks for ``adaptive``;
+    so each block is at most that line, rounded up to a row.
+    """
+    units, topology = layout
+    ownership = compute_ownership(units, topology, strategy)
+    loads = unit_bytes_by_rank(ownership, "dense") if strategy == "equal" else list(ownership.rank_bytes)
+    line = sum(loads) / topology.world_size
+    oversized = [
+        (unit, shards)
+        for unit, shards in zip(units, ownership.shards)
+        if unit.kind == "dense" and unit.nbytes * topology.world_size > dense_bytes(units)
+    ]
+    for unit, shards in oversized:
+        for shard in shards:
+            assert shard.rows * unit.row_bytes < line + unit.row_bytes
+            assert loads[shard.rank] < line + max(u.row_bytes for u, _ in oversized)
+
+
+def embedding_layout() -> tuple[list[ShardingUnit], Topology]:
+    """Four EP ranks with one 100-byte expert each, four 5-byte dense units and a 40-byte embedding.
+
+    The dense share is 60 / 4 = 15 bytes, so the embedding is oversized; the ideal is 460 / 4 = 115 bytes.
+    """
+    topology = Topology(world_size=4, ep=4)
+    experts = [
+        ShardingUnit(f"expert(0, {e})", "expert", 100, 1, topology.replicas(e), layer=0, expert=e) for e in range(4)
+    ]
+    dense = [ShardingUnit(f"dense({d})", "dense", 5, 1, topology.ranks()) for d in range(4)]
+    return [*experts, ShardingUnit("dense(embedding)", "dense", 40, 1, topology.ranks()), *dense], topology
+
+
+@pytest.mark.parametrize("strategy", ["equal", "adaptive"])
+def test_oversized_embedding_is_split_into_blocks_that_reach_the_ideal(strategy: str) -> None:
+    units, topology = embedding_layout()
+    ownership = compute_ownership(units, topology, strategy)
+    blocks = ownership.shards_of("dense(embedding)")
+    assert [(block.row_start, block.row_stop) for block in blocks] == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert sorted(block.rank for block in blocks) == [0, 1, 2, 3]
+    assert all(len(ownership.shards_of(f"dense({d})")) == 1 for d in range(4))  # the others fit: whole
+    assert ownership.rank_bytes == (115, 115, 115, 115)
+    lightest_expert_rank, embedding = 100, 40  # whole, the embedding would land on some rank of 100 bytes
+    assert (lightest_expert_rank + embedding) / ownership.ideal_bytes > 1.2
+
+
+def test_oversized_unit_on_few_holders_leaves_the_rest_to_the_last_holder() -> None:
+    topology = Topology(world_size=4, ep=1)
+    units = [ShardingUnit("dense(a)", "dense", 40, 1, (0, 1))]  # dense share 10, two holders
+    shards = compute_ownership(units, topology, "equal").shards_of("dense(a)")
+    assert shards == (Shard(0, 0, 10), Shard(1, 10, 40))
 
 
 def test_balanced_layout_is_perfectly_even() -> None:
@@ -128,8 +199,8 @@ def test_adaptive_fills_the_rank_the_selection_left_light() -> None:
         ShardingUnit("expert(0, 0)", "expert", 10, 1, topology.replicas(0), layer=0, expert=0),
         ShardingUnit("dense(embedding)", "dense", 10, 1, topology.ranks()),
     ]
-    assert compute_ownership(units, topology, "adaptive").rank_bytes == (10, 10)
-    assert compute_ownership(units, topology, "equal").rank_bytes == (20, 0)  # dense placed ignoring experts
+    assert compute_ownership(units, topology, "adaptive").rank_bytes == (10, 10)  # poured whole into rank 1
+    assert compute_ownership(units, topology, "equal").rank_bytes == (15, 5)  # dense halved, ignoring experts
 
 
 @settings(max_examples=30, deadline=None)
