@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
 from moc_lightning.selection import Selection, UnsavedTokens, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
+from moc_lightning.size_model import SizeModel, size_model
 from moc_lightning.storage import CheckpointStorage
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
@@ -103,6 +104,17 @@ class PECCheckpointer:
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
         self._param_sources: dict[str, dict[str, Any]] | None = None
 
+    def attach(self, layout: Layout) -> None:
+        """Use ``layout`` from now on (same model, new optimizer object: after Lightning re-creates it)."""
+        if layout.num_experts != self.layout.num_experts:
+            raise ValueError(f"new layout has experts {layout.num_experts}, expected {self.layout.num_experts}")
+        self.layout = layout
+        self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+
+    def size_model(self) -> SizeModel:
+        """Eq. 5/6 evaluated on this model's real tensors."""
+        return size_model(self.layout)
+
     # ----------------------------------------------------------------- tokens
     def record_tokens(self, moe_layers: Sequence[MoELayer]) -> None:
         """Add the router counts of the last step (this rank's tokens); reduced over ranks at checkpoint time."""
@@ -113,7 +125,7 @@ class PECCheckpointer:
     def _sync_tokens(self) -> None:
         flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
         if dist.is_initialized():
-            dist.all_reduce(flat, group=self.process_group)
+            dist.all_reduce(flat)  # default group, on the training thread (persists use their own group)
         sizes = [len(p) for p in self._pending] + [len(self._pending_assigned)]
         *counts, assigned = flat.split(sizes)
         for i, c in enumerate(counts):
@@ -135,7 +147,15 @@ class PECCheckpointer:
         self.snapshots_taken += 1
         if not persist:
             return None
-        return self.persist(step, self.layout.dense_units + tuple(sorted(selection.persist_units())))
+        report = self.persist(step, self.layout.dense_units + tuple(sorted(selection.persist_units())))
+        self.prune_ledger()
+        return report
+
+    def prune_ledger(self, in_memory: Sequence[int] = ()) -> None:
+        """Forget token marks older than every stored version and every snapshot step in ``in_memory``."""
+        steps = [r.step for r in self.read_manifest().records] + list(in_memory)
+        if steps:
+            self.ledger.prune(min(steps))
 
     def _select(self, index: int, persist: bool) -> Selection:
         unsaved = None
@@ -151,13 +171,30 @@ class PECCheckpointer:
             index, self.dynamic_k.k_snapshot, self.dynamic_k.k_persist, persist=persist, unsaved=unsaved
         )
 
-    def persist(self, step: int, units: Sequence[Unit]) -> SaveReport:
-        """Write ``units`` (all ranks' share) as checkpoint ``step`` and commit it in the manifest."""
+    def persist(
+        self,
+        step: int,
+        units: Sequence[Unit],
+        *,
+        from_slot: Mapping[str, torch.Tensor] | None = None,
+        engine_state: dict[str, Any] | None = None,
+        trainer_state: str | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> SaveReport:
+        """Write ``units`` (all ranks' share) as checkpoint ``step`` and commit it in the manifest.
+
+        By default this rank writes the rows the ownership gives it, from the live tensors. With
+        ``from_slot`` it writes those tensors (a snapshot slot: whole units it owns) as they are, and
+        ``engine_state``/``trainer_state`` are the states captured with that snapshot.
+        """
         start = time.perf_counter()
         name = checkpoint_name(step)
-        held = [u for u in units if u in self.layout.slots]
-        state = self.layout.tensors(held)
-        writes = self._writes(units, state)
+        if from_slot is None:
+            state = self.layout.tensors([u for u in units if u in self.layout.slots])
+            writes = self._writes(units, state)
+        else:
+            state = dict(from_slot)
+            writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
         planner = MoCSavePlanner(writes)
         dcp.save(state, storage_writer=self.storage.writer(name), planner=planner, process_group=self.process_group)
         written = owned_bytes(planner.plan)  # the final local plan, after any deduplication
@@ -171,8 +208,11 @@ class PECCheckpointer:
             backend=self.backend,
         )
         param_sources = self._gather_param_sources()  # collective on first use: every rank, before the commit
+        if before_commit is not None:
+            before_commit()
         if self._is_coordinator:
-            self._commit(record, param_sources)
+            description = self._describe(record, param_sources, engine_state or self.state_dict(), trainer_state)
+            self._commit(record, description)
         self._barrier()
         return SaveReport(
             step=step,
@@ -183,16 +223,21 @@ class PECCheckpointer:
             seconds=time.perf_counter() - start,
         )
 
-    def _commit(self, record: CheckpointRecord, param_sources: dict[str, dict[str, Any]]) -> None:
+    def _commit(self, record: CheckpointRecord, description: dict[str, Any]) -> None:
         """Self-description first, then the manifest (the commit point), then retention's deletions."""
-        self.storage.put(f"{record.name}/moc.json", json.dumps(self._describe(record, param_sources)).encode())
+        self.storage.put(f"{record.name}/moc.json", json.dumps(description).encode())
         manifest, removed = self.read_manifest().with_record(record).retire(self.cfg.retention)
         self.storage.put(MANIFEST, manifest.to_json())
         for name in removed:
             self.storage.delete(name)
-        self.ledger.prune(min(r.step for r in manifest.records))
 
-    def _describe(self, record: CheckpointRecord, param_sources: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def _describe(
+        self,
+        record: CheckpointRecord,
+        param_sources: dict[str, dict[str, Any]],
+        engine_state: dict[str, Any],
+        trainer_state: str | None,
+    ) -> dict[str, Any]:
         """The record, the engine state and the model parameter behind each weight key stored here.
 
         The parameter map lets ``moc-consolidate`` write a dense checkpoint under the model's own names
@@ -201,7 +246,8 @@ class PECCheckpointer:
         held = set(record.units)
         return {
             "record": dataclasses.asdict(record),
-            "engine": self.state_dict(),
+            "engine": engine_state,
+            "trainer": trainer_state,
             "layout": {
                 "num_experts": list(self.layout.num_experts),
                 "params": {key: src for key, src in param_sources.items() if parse_unit(key).key in held},
@@ -274,39 +320,62 @@ class PECCheckpointer:
         data = self.storage.get(MANIFEST)
         return Manifest() if data is None else Manifest.from_json(data)
 
+    def read_description(self, step: int) -> dict[str, Any]:
+        """The ``moc.json`` of the checkpoint of ``step``: its record, engine and trainer state, parameter map."""
+        data = self.storage.get(f"{checkpoint_name(step)}/moc.json")
+        if data is None:
+            raise FileNotFoundError(f"checkpoint of step {step} has no moc.json under {self.storage.url}")
+        return json.loads(data)
+
     def load_latest(self) -> LoadReport | None:
         """Restore the newest state in storage into the live model and optimizer; ``None`` if there is none."""
         manifest = self.read_manifest()
         latest = manifest.latest
         if latest is None:
             return None
-        described = json.loads(self.storage.get(f"{latest.name}/moc.json") or b"{}")
-        self.load_state_dict(described["engine"])
-        if self.layout.optimizer is not None:
-            materialize_optimizer_state(self.layout.optimizer)
-        sources: dict[Unit, CheckpointRecord | None] = {
-            unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()
-        }
+        self.load_state_dict(self.read_description(latest.step)["engine"])
+        self.prepare_for_load()
+        sources = {unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()}
         missing = [u.key for u in self.layout.dense_units if sources[u] is not latest]
         if missing:
             raise RuntimeError(f"checkpoint {latest.name} lacks dense units {missing[:5]}; it cannot be resumed")
-        for record in sorted({r for r in sources.values() if r is not None}, key=lambda r: r.step):
-            wanted = [u for u in self.layout.units if sources[u] is record]
+        self.load_from_storage({u: r for u, r in sources.items() if r is not None})
+        restored_from = [
+            [sources[ExpertUnit(layer, e)].step if sources[ExpertUnit(layer, e)] else NEVER for e in range(n)]
+            for layer, n in enumerate(self.layout.num_experts)
+        ]
+        return self.account_recovery(latest.step, restored_from)
+
+    def prepare_for_load(self) -> None:
+        """Create the optimizer's state tensors so loads have somewhere to go (a fresh optimizer has none)."""
+        if self.layout.optimizer is not None:
+            materialize_optimizer_state(self.layout.optimizer)
+
+    def load_from_storage(self, sources: Mapping[Unit, CheckpointRecord]) -> None:
+        """Load every held unit in ``sources`` from its checkpoint, one collective DCP load per checkpoint.
+
+        ``sources`` must be the same on every rank (it comes from the shared manifest): each rank loads the
+        units it holds, under whatever world size and EP degree wrote them.
+        """
+        for record in sorted(set(sources.values()), key=lambda r: r.step):
+            wanted = [u for u in self.layout.units if sources.get(u) is record]
             dcp.load(
                 self.layout.tensors(wanted),
                 storage_reader=self.storage.reader(record.name),
                 process_group=self.process_group,
             )
-        restored_from = [
-            [sources[ExpertUnit(layer, e)].step if sources[ExpertUnit(layer, e)] else NEVER for e in range(n)]
-            for layer, n in enumerate(self.layout.num_experts)
-        ]
-        fault = self.ledger.recover(latest.step, restored_from)
+
+    def account_recovery(self, resume_step: int, restored_from: list[list[int]]) -> LoadReport:
+        """PLT of the recovery (eq. 7) from the ledger, then Dynamic-K."""
+        fault = self.ledger.recover(resume_step, restored_from)
         k_changed = self.cfg.dynamic_k.enabled and self.dynamic_k.after_recovery(fault)
         self._barrier()
+        sources = {
+            ExpertUnit(layer, e).key: step for layer, steps in enumerate(restored_from) for e, step in enumerate(steps)
+        }
         return LoadReport(
-            resume_step=latest.step,
-            sources={u.key: (r.step if r else NEVER) for u, r in sources.items()},
+            resume_step=resume_step,
+            sources={**{u.key: resume_step for u in self.layout.dense_units}, **sources},
             fault=fault,
             k_changed=k_changed,
         )
@@ -338,6 +407,10 @@ class PECCheckpointer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.process_group)
+
+
+def _whole_rows(tensor: torch.Tensor) -> RowRange:
+    return (0, 1) if tensor.dim() == 0 else (0, tensor.shape[0])
 
 
 def _unit_rows(layout: Layout, unit: Unit) -> int:

@@ -75,6 +75,9 @@ class CheckpointConfig:
     """Persist target."""
     shm_root: str = "/dev/shm/moc_lightning"
     """Node-local shared-memory directory that holds the snapshot slots."""
+    ranks_per_node: int | None = None
+    """Simulate nodes on one machine: ranks ``r // ranks_per_node`` share a node and its shared-memory root.
+    ``null``: the real host is the node."""
     retention: int = 3
     """Persisted checkpoints to keep (never removing the only stored version of a unit)."""
     dynamic_k: DynamicKConfig = field(default_factory=DynamicKConfig)
@@ -93,6 +96,8 @@ class CheckpointConfig:
         _require_at_least("checkpoint.every_n_train_steps", self.every_n_train_steps, 1)
         _require_at_least("checkpoint.persist_every_n_snapshots", self.persist_every_n_snapshots, 1)
         _require_at_least("checkpoint.retention", self.retention, 1)
+        if self.ranks_per_node is not None:
+            _require_at_least("checkpoint.ranks_per_node", self.ranks_per_node, 1)
         _require_choice("checkpoint.selection", self.selection, SELECTION_POLICIES)
         _require_choice("checkpoint.sharding", self.sharding, SHARDING_STRATEGIES)
         _require_choice("checkpoint.resume", self.resume, RESUME_MODES)

@@ -104,8 +104,11 @@ class TokenLedger:
         return tuple(sorted(self._marks))
 
     def prune(self, oldest_needed: int) -> None:
-        """Forget marks before ``oldest_needed``: the oldest step any expert can still be restored from."""
-        self._marks = {s: c for s, c in self._marks.items() if s >= oldest_needed}
+        """Forget marks before ``oldest_needed``: the oldest step any expert can still be restored from.
+
+        The ``NEVER`` mark (all zeros) stays: an expert with no surviving version is restored from scratch.
+        """
+        self._marks = {s: c for s, c in self._marks.items() if s >= oldest_needed or s == NEVER}
 
     def tokens_since(self, steps: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
         """Per MoE layer, tokens each expert processed since ``steps[layer][expert]`` (its newest saved step).

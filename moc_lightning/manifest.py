@@ -66,6 +66,12 @@ class Manifest:
                 return record
         return None
 
+    def by_name(self, name: str) -> CheckpointRecord:
+        for record in self.records:
+            if record.name == name:
+                return record
+        raise KeyError(f"no committed checkpoint named {name!r}")
+
     def with_record(self, record: CheckpointRecord) -> Manifest:
         """This manifest plus ``record``, which must be newer than every listed checkpoint."""
         if self.records and record.step <= self.records[-1].step:

@@ -131,7 +131,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback
         limit_val_batches=t.limit_val_batches,
         log_every_n_steps=t.log_every_n_steps,
         gradient_clip_val=t.gradient_clip_val or None,
-        logger=CSVLogger(save_dir=str(output_dir), name="logs", version=""),
+        logger=CSVLogger(save_dir=str(output_dir), name="logs"),  # logs/version_N: one per (re)start
         default_root_dir=str(output_dir),
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
         callbacks=callbacks or [],
@@ -144,9 +144,9 @@ def run(cfg: TrainConfig, output_dir: Path) -> L.Trainer:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = GPTMoEModule(cfg.model, cfg.optim, ep=cfg.trainer.ep, seed=cfg.seed)
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
-    callbacks: list[L.Callback] = [MoCCheckpoint(cfg.checkpoint)] if cfg.checkpoint.enabled else []
-    trainer = build_trainer(cfg, output_dir, callbacks)
-    trainer.fit(module, datamodule=data)
+    moc = MoCCheckpoint(cfg.checkpoint) if cfg.checkpoint.enabled else None
+    trainer = build_trainer(cfg, output_dir, [moc] if moc else [])
+    trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target(output_dir) if moc else None)
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
         print(f"[moc_lightning] finished {trainer.global_step} steps; final metrics: {metrics}")

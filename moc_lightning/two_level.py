@@ -1,0 +1,341 @@
+"""Two-level checkpointing: frequent in-memory snapshots, rarer persists, and two-level recovery.
+
+Timeline of one snapshot step ``t`` (MoC-System Figures 3 and 9):
+
+1. ``snapshot(t)`` on the train-batch end of step ``t``: select the units, start copying the ones this rank
+   owns into a free slot on a background thread, and return; the next forward/backward runs meanwhile.
+2. ``wait_snapshot()`` before the optimizer step of ``t+1``: training waits here only if the copy is not
+   done (the *stall*). When the snapshot is a persist one, its persist starts now, on another thread,
+   writing from the slot through DCP on a dedicated process group. At most one persist is in flight;
+   when the previous one is still running, all ranks agree to skip this persist and count it.
+3. ``recover()`` at start-up: ranks exchange their slot inventories, plan the resume step and a source for
+   every unit (:mod:`moc_lightning.recovery`), and restore from the local slot, a peer's slot (broadcast
+   over the process group) or storage.
+
+Snapshot ownership is at unit granularity: each unit is copied whole by one rank (dense units spread by
+the sharding strategy, each expert by one of its replicas, alternating), so a lost node loses whole units
+and every other unit can still come from memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moc_lightning.checkpointer import PECCheckpointer, SaveReport
+from moc_lightning.faults import FaultInjector
+from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
+from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
+from moc_lightning.snapshot import SlotMeta, SnapshotStore
+from moc_lightning.units import ExpertUnit, Unit, parse_unit
+
+
+@dataclass
+class CheckpointStats:
+    """What the two levels did, for logs and benchmarks."""
+
+    snapshots: int = 0
+    persists: int = 0
+    skipped_persists: int = 0
+    failed_persists: int = 0
+    snapshot_seconds: list[float] = field(default_factory=list)
+    stall_seconds: list[float] = field(default_factory=list)
+    snapshot_bytes: list[int] = field(default_factory=list)
+    persist_reports: list[SaveReport] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """A two-level recovery as this rank saw it."""
+
+    resume_step: int
+    plt: float
+    sources: dict[str, dict[str, Any]]
+    """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int}``."""
+    recover_seconds: float
+    k_changed: bool
+    trainer_state: dict[str, Any] | None
+    """The Lightning state (loops, schedulers, ...) captured with the resume step's snapshot or persist."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "resume_step": self.resume_step,
+            "plt": self.plt,
+            "sources": self.sources,
+            "recover_seconds": self.recover_seconds,
+            "k_changed": self.k_changed,
+        }
+
+
+def encode_state(state: Any) -> str:
+    """A picklable object as text for a slot's JSON metadata."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def decode_state(text: str) -> Any:
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+
+
+class TwoLevelCheckpointer:
+    """Snapshots into a :class:`SnapshotStore`, persists through a :class:`PECCheckpointer`, recovers from both."""
+
+    def __init__(
+        self,
+        pec: PECCheckpointer,
+        snapshots: SnapshotStore,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.pec = pec
+        self.store = snapshots
+        self.faults = faults or FaultInjector(None, pec.topology.rank)
+        self.stats = CheckpointStats()
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="moc-snapshot")
+        self._persister = ThreadPoolExecutor(1, thread_name_prefix="moc-persist")
+        self._snapshot: tuple[Future[SlotMeta], float, tuple[Unit, ...] | None] | None = None
+        self._persist: Future[SaveReport] | None = None
+        self._persisting_slot: int | None = None
+        self._recovery_slot: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.pec.topology.rank
+
+    # --------------------------------------------------------------- snapshot
+    def snapshot(self, step: int, trainer_state: Mapping[str, Any] | None = None) -> None:
+        """Start the snapshot of step ``step``; returns once the copy is running in the background."""
+        self.wait_snapshot()
+        self._reap_persist()
+        pec = self.pec
+        pec._sync_tokens()
+        pec.ledger.mark(step)
+        index = pec.snapshots_taken
+        persist = index % pec.cfg.persist_every_n_snapshots == 0 and self._all_ranks_free_to_persist()
+        if index % pec.cfg.persist_every_n_snapshots == 0 and not persist:
+            self.stats.skipped_persists += 1
+        selection = pec._select(index, persist)
+        pec.snapshots_taken += 1
+        units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
+        owners = self._owners(units)
+        mine = [u for u in units if owners[u.key] == self.rank]
+        tensors = pec.layout.tensors(mine)
+        extra = {"engine": pec.state_dict(), "owners": owners, "trainer": encode_state(trainer_state)}
+        slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
+        persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
+        half = len(tensors) // 2
+
+        def hook(i: int) -> None:
+            if i == half:
+                self.faults.at("snapshot", step)
+
+        future = self._copier.submit(
+            self.store.write, slot, step, tuple(u.key for u in mine), tensors, extra, hook
+        )
+        self._snapshot = (future, time.perf_counter(), persist_units)
+
+    def wait_snapshot(self) -> float:
+        """Block until the running snapshot copy is complete; returns the stall in seconds."""
+        if self._snapshot is None:
+            return 0.0
+        future, started, persist_units = self._snapshot
+        waited = time.perf_counter()
+        meta = future.result()
+        done = time.perf_counter()
+        self._snapshot = None
+        self.stats.snapshots += 1
+        self.stats.stall_seconds.append(done - waited)
+        self.stats.snapshot_seconds.append(done - started)
+        self.stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
+        if persist_units is not None:
+            self._start_persist(meta, persist_units)
+        return done - waited
+
+    def _all_ranks_free_to_persist(self) -> bool:
+        """Every rank must agree, or the persist's collectives would not match across ranks."""
+        free = torch.tensor([0 if self._persist is not None and not self._persist.done() else 1])
+        if dist.is_initialized():
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        return bool(free.item())
+
+    def _owners(self, units: Sequence[Unit]) -> dict[str, int]:
+        """Which rank snapshots each unit (whole): pure, so every rank computes the same map."""
+        pec = self.pec
+        world, ep = pec.topology.world_size, pec.topology.ep
+        sharding_units = []
+        for unit in units:
+            nbytes = max(1, pec._unit_nbytes(unit))
+            if isinstance(unit, ExpertUnit):
+                per_rank = pec.layout.num_experts[unit.layer] // ep
+                replicas = range(unit.expert // per_rank, world, ep)
+                holder = replicas[(unit.layer + unit.expert) % len(replicas)]
+                sharding_units.append(
+                    ShardingUnit(unit.key, "expert", 1, nbytes, (holder,), layer=unit.layer, expert=unit.expert)
+                )
+            else:
+                sharding_units.append(ShardingUnit(unit.key, "dense", 1, nbytes, range(world)))
+        strategy = pec.cfg.sharding if pec.cfg.sharding in ("equal", "adaptive", "rank0") else "adaptive"
+        ownership = plan_ownership(tuple(sharding_units), Topology(world, ep), strategy)
+        return {u.key: ownership.shards_of(u.key)[0].rank for u in sharding_units}
+
+    # ---------------------------------------------------------------- persist
+    def _start_persist(self, meta: SlotMeta, units: tuple[Unit, ...]) -> None:
+        self._persisting_slot = meta.slot
+        self._persist = self._persister.submit(self._persist_slot, meta, units)
+
+    def _persist_slot(self, meta: SlotMeta, units: tuple[Unit, ...]) -> SaveReport:
+        wanted = {u.key for u in units}
+        keys = [k for k in meta.entries if parse_unit(k).key in wanted]
+        return self.pec.persist(
+            meta.step,
+            units,
+            from_slot=self.store.read(meta, keys),
+            engine_state=meta.extra["engine"],
+            trainer_state=meta.extra["trainer"],
+            before_commit=lambda: self.faults.at("persist", meta.step),
+        )
+
+    def _reap_persist(self) -> None:
+        """Account a finished persist; a failed one is counted and logged, and training goes on."""
+        if self._persist is None or not self._persist.done():
+            return
+        error = self._persist.exception()
+        if error is None:
+            self.stats.persists += 1
+            self.stats.persist_reports.append(self._persist.result())
+            self._recovery_slot = self._persisting_slot
+            self.pec.prune_ledger(in_memory=[m.step for m in self.store.committed()])
+        else:
+            self.stats.failed_persists += 1
+            print(f"[moc_lightning] rank {self.rank}: persist failed ({error!r}); retrying at the next persist")
+        self._persist = None
+        self._persisting_slot = None
+
+    def finish(self) -> None:
+        """Wait for everything in flight (end of training)."""
+        self.wait_snapshot()
+        if self._persist is not None:
+            self._persist.exception()
+        self._reap_persist()
+
+    # --------------------------------------------------------------- recovery
+    def recover(self) -> RecoveryReport | None:
+        """Restore the newest consistent state from memory and storage; ``None`` when there is none."""
+        start = time.perf_counter()
+        pec = self.pec
+        metas = self.store.committed()
+        inventory = _all_gather([SlotInventory(self.rank, m.slot, m.step, frozenset(m.units)) for m in metas])
+        manifest = pec.read_manifest()
+        experts = [ExpertUnit(layer, e).key for layer, n in enumerate(pec.layout.num_experts) for e in range(n)]
+        plan = plan_recovery([u.key for u in pec.layout.dense_units], experts, inventory, manifest)
+        if plan is None:
+            return None
+        by_slot = {m.slot: m for m in metas}
+        engine_state, trainer_state = self._states_at(plan, by_slot)
+        pec.load_state_dict(engine_state)
+        pec.prepare_for_load()
+        self._restore_from_memory(plan, by_slot)
+        pec.load_from_storage(
+            {parse_unit(key): manifest.by_name(src.checkpoint) for key, src in plan.sources.items()
+             if src.level == "storage"}
+        )
+        restored_from = [
+            [plan.sources[ExpertUnit(layer, e).key].step for e in range(n)]
+            for layer, n in enumerate(pec.layout.num_experts)
+        ]
+        load = pec.account_recovery(plan.resume_step, restored_from)
+        self._drop_slots_after(plan.resume_step, metas)
+        return RecoveryReport(
+            resume_step=plan.resume_step,
+            plt=load.plt,
+            sources={k: {"level": s.describe(self.rank), "step": s.step} for k, s in plan.sources.items()},
+            recover_seconds=time.perf_counter() - start,
+            k_changed=load.k_changed,
+            trainer_state=trainer_state,
+        )
+
+    def _states_at(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> tuple[dict, dict | None]:
+        """Engine and trainer state of the resume step: from a slot at that step, else from storage."""
+        local = next((m for m in by_slot.values() if m.step == plan.resume_step), None)
+        holder = _lowest_rank_with(local is not None)
+        if holder is None:
+            described = self.pec.read_description(plan.resume_step)
+            return described["engine"], _decode_optional(described.get("trainer"))
+        payload = [local.extra if local is not None else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(payload, src=holder)
+        extra = payload[0]
+        return extra["engine"], _decode_optional(extra["trainer"])
+
+    def _restore_from_memory(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> None:
+        """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in."""
+        layout = self.pec.layout
+        for key in sorted(k for k, s in plan.sources.items() if s.level == "memory"):
+            source: Source = plan.sources[key]
+            unit = parse_unit(key)
+            template = layout.tensors([self.pec._local_twin(unit)])
+            sizes = [t.numel() * t.element_size() for t in template.values()]
+            if source.rank == self.rank:
+                meta = by_slot[source.slot]
+                tensors = self.store.read(meta, [k for k in meta.entries if parse_unit(k).key == key])
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+            else:
+                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            if dist.is_initialized() and self.pec.topology.world_size > 1:
+                dist.broadcast(flat, src=source.rank)
+            if unit in layout.slots:
+                live = layout.tensors([unit])
+                for (name, target), piece in zip(live.items(), flat.split(sizes)):
+                    target.copy_(piece.view(target.dtype).view(target.shape))
+
+    def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:
+        """Snapshots newer than the resume step belong to a timeline that no longer exists."""
+        for meta in metas:
+            if meta.step > step:
+                (self.store.slot_dir(meta.slot) / "meta.json").unlink(missing_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _all_gather(items: list[SlotInventory]) -> list[SlotInventory]:
+    if not dist.is_initialized():
+        return items
+    parts: list[list[SlotInventory] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
+
+
+def _lowest_rank_with(has: bool) -> int | None:
+    """The lowest rank for which ``has`` holds (collective), or ``None`` if no rank has it."""
+    if not dist.is_initialized():
+        return 0 if has else None
+    mark = torch.tensor([dist.get_rank() if has else dist.get_world_size()])
+    dist.all_reduce(mark, op=dist.ReduceOp.MIN)
+    return int(mark.item()) if int(mark.item()) < dist.get_world_size() else None
+
+
+def _decode_optional(text: str | None) -> dict | None:
+    return decode_state(text) if text else None
+
+
+def node_root(shm_root: str, run_id: str, rank: int, ranks_per_node: int | None) -> Path:
+    """This rank's node-local directory: ``<shm_root>/<run>/<node>``; simulated nodes are rank blocks."""
+    node = f"node{rank // ranks_per_node}" if ranks_per_node else socket.gethostname()
+    return Path(shm_root) / run_id / node
+
+
+def lose_node(path: Path) -> None:
+    """What a replacement node sees: no shared memory left from before."""
+    shutil.rmtree(path, ignore_errors=True)
+
