@@ -62,7 +62,7 @@ class RecoveryReport:
     resume_step: int
     plt: float
     sources: dict[str, dict[str, Any]]
-    """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int}``."""
+    """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int, "rank": slot owner or None}``."""
     recover_seconds: float
     k_changed: bool
     trainer_state: dict[str, Any] | None
@@ -259,7 +259,9 @@ class TwoLevelCheckpointer:
         return RecoveryReport(
             resume_step=plan.resume_step,
             plt=load.plt,
-            sources={k: {"level": s.describe(self.rank), "step": s.step} for k, s in plan.sources.items()},
+            sources={
+                k: {"level": s.describe(self.rank), "step": s.step, "rank": s.rank} for k, s in plan.sources.items()
+            },
             recover_seconds=time.perf_counter() - start,
             k_changed=load.k_changed,
             trainer_state=trainer_state,

@@ -1,0 +1,110 @@
+"""One worker of a fault drill, run under ``torchrun``: 4 ranks, EP=2, 2 simulated nodes of 2 ranks.
+
+Besides training with ``MoCCheckpoint`` it records, independently of MoC, what a test needs to check a
+recovery: every rank's full state (weights and optimizer) at each snapshot step, the global router counts
+of every step, and the state right after a resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.config import CheckpointConfig, DynamicKConfig, StorageConfig
+from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.layout import build_layout
+from moc_lightning.models import GPTMoEConfig
+from moc_lightning.models.lightning import GPTMoEModule
+
+MODEL = GPTMoEConfig(block_size=32)
+
+
+class Capture(L.Callback):
+    """Writes what the test compares against, under ``<out>/capture``."""
+
+    def __init__(self, out: Path, every: int) -> None:
+        self.out = out / "capture"
+        self.every = every
+        self.counts: dict[int, list[list[int]]] = {}
+        self.assigned: dict[int, list[int]] = {}
+
+    def _layout_tensors(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
+        layout = build_layout(module, trainer.optimizers[0], num_experts=MODEL.num_experts)
+        return {k: v.detach().clone() for k, v in layout.tensors().items()}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step > 0:
+            torch.save(
+                {"step": trainer.global_step, "tensors": self._layout_tensors(trainer, module)},
+                self.out / f"restored_rank{trainer.global_rank}.pt",
+            )
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        counts, assigned = [], []
+        for layer in module.moe_layers():
+            c = layer.tokens_per_expert.clone()
+            a = torch.tensor([layer.tokens_assigned])
+            dist.all_reduce(c)
+            dist.all_reduce(a)
+            counts.append(c.tolist())
+            assigned.append(int(a))
+        self.counts[step], self.assigned[step] = counts, assigned
+        if step % self.every == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            torch.save(
+                {"tensors": self._layout_tensors(trainer, module), "counts": self.counts, "assigned": self.assigned},
+                self.out / f"inc{restart}_rank{trainer.global_rank}_step{step}.pt",
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--persist-every", type=int, default=2)
+    parser.add_argument("--k-snapshot", type=int, default=4)
+    parser.add_argument("--k-persist", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = CheckpointConfig(
+        k_snapshot=args.k_snapshot,
+        k_persist=args.k_persist,
+        every_n_train_steps=args.every,
+        persist_every_n_snapshots=args.persist_every,
+        storage=StorageConfig(url=(args.out / "ckpt").resolve().as_uri()),
+        shm_root=str(args.out / "shm"),
+        ranks_per_node=2,
+        retention=10,
+        dynamic_k=DynamicKConfig(enabled=False),
+    )
+    moc = MoCCheckpoint(config)
+    module = GPTMoEModule(MODEL, ep=2, seed=0)
+    data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=args.max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(args.out / "run"),
+        callbacks=[moc, Capture(args.out, args.every)],
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target())
+
+
+if __name__ == "__main__":
+    main()
