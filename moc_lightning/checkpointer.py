@@ -368,7 +368,7 @@ class PECCheckpointer:
     def account_recovery(self, resume_step: int, restored_from: list[list[int]]) -> LoadReport:
         """PLT of the recovery (eq. 7) from the ledger, then Dynamic-K."""
         fault = self.ledger.recover(resume_step, restored_from)
-        k_changed = self.cfg.dynamic_k.enabled and self.dynamic_k.after_recovery(fault)
+        k_changed = self.cfg.dynamic_k.enabled and self.dynamic_k.after_recovery(fault, self.ledger.accumulated_plt)
         self._barrier()
         sources = {
             ExpertUnit(layer, e).key: step for layer, steps in enumerate(restored_from) for e, step in enumerate(steps)

@@ -192,39 +192,44 @@ def _counts_from(state: Mapping[str, Any]) -> _Counts:
 
 @dataclass
 class DynamicK:
-    """Dynamic-K (section 5.3): after a recovery, double K when the PLT lost under the current K passes the threshold.
+    """Dynamic-K (section 5.3): after a recovery, double K before the accumulated PLT can pass the threshold.
 
-    Both levels double (capped at N), so ``k_persist <= k_snapshot`` still holds.
+    The paper doubles K once the PLT accumulated under the current K passes its limit; applied literally
+    that reacts one fault too late, since the fault that crosses the limit has already been paid. Here
+    the limit is projected: the next fault is assumed to cost what this one did, scaled by ``K / K'`` for
+    a larger ``K'`` (each doubling halves the experts left behind). K doubles until the accumulated PLT
+    plus that projection fits under the threshold, or until every expert is saved (``K = N``). Both levels
+    double (capped at N), so ``k_persist <= k_snapshot`` still holds.
     """
 
     k_snapshot: int
     k_persist: int
     num_experts: int
     threshold: float = DEFAULT_PLT_THRESHOLD
-    lost_under_k: list[int] = field(default_factory=list)
-    """Per MoE layer, tokens lost in recoveries since K last changed."""
 
     def __post_init__(self) -> None:
         check_k(self.k_snapshot, self.k_persist, self.num_experts)
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"plt_threshold must be in (0, 1), got {self.threshold}")
 
-    def after_recovery(self, report: FaultReport) -> bool:
-        """Account ``report``; returns whether K doubled."""
-        lost = report.lost_per_layer
-        self.lost_under_k = [a + b for a, b in zip(self.lost_under_k or [0] * len(lost), lost)]
-        if proportion_lost(self.lost_under_k, report.assigned) <= self.threshold or self.k_persist == self.num_experts:
-            return False
-        self.k_snapshot = min(2 * self.k_snapshot, self.num_experts)
-        self.k_persist = min(2 * self.k_persist, self.num_experts)
-        self.lost_under_k = []
-        return True
+    def after_recovery(self, report: FaultReport, accumulated_plt: float) -> bool:
+        """Adjust K after the recovery ``report``, with ``accumulated_plt`` over all faults so far.
+
+        Returns whether K changed.
+        """
+        projected = report.plt
+        changed = False
+        while self.k_persist < self.num_experts and accumulated_plt + projected > self.threshold:
+            self.k_snapshot = min(2 * self.k_snapshot, self.num_experts)
+            self.k_persist = min(2 * self.k_persist, self.num_experts)
+            projected /= 2
+            changed = True
+        return changed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"k_snapshot": self.k_snapshot, "k_persist": self.k_persist, "lost_under_k": list(self.lost_under_k)}
+        return {"k_snapshot": self.k_snapshot, "k_persist": self.k_persist}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_k(int(state["k_snapshot"]), int(state["k_persist"]), self.num_experts)
         self.k_snapshot = int(state["k_snapshot"])
         self.k_persist = int(state["k_persist"])
-        self.lost_under_k = [int(x) for x in state["lost_under_k"]]

@@ -15,6 +15,7 @@ import lightning as L
 from hydra.core.config_store import ConfigStore
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -119,6 +120,9 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback
     strategy = "auto"
     if t.world_size > 1:
         strategy = DDPStrategy(process_group_backend=t.process_group_backend)
+    # On SLURM, requeue is submitit's and resume is MoC's: Lightning's own auto-requeue would save a rank-0
+    # ``hpc_ckpt`` (missing other ranks' experts) and restore it on top of the MoC recovery.
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -136,6 +140,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
         callbacks=callbacks or [],
         enable_progress_bar=False,
+        plugins=plugins,
     )
 
 

@@ -95,28 +95,24 @@ def report(lost: int, assigned: int) -> FaultReport:
     return FaultReport(resume_step=0, lost=(torch.tensor([lost, 0]),), assigned=(assigned,))
 
 
-def test_dynamic_k_doubles_when_plt_under_current_k_passes_threshold_and_caps_at_n() -> None:
+def test_dynamic_k_doubles_before_the_next_fault_could_pass_the_threshold() -> None:
     dynamic = DynamicK(k_snapshot=2, k_persist=1, num_experts=8)
-    assert not dynamic.after_recovery(report(30, 1000))  # 3.0%
+    assert not dynamic.after_recovery(report(15, 1000), accumulated_plt=0.015)  # 1.5% + 1.5% fits under 3.75%
     assert (dynamic.k_snapshot, dynamic.k_persist) == (2, 1)
-    assert dynamic.after_recovery(report(20, 1200))  # (30 + 20) / 1200 = 4.2%
-    assert (dynamic.k_snapshot, dynamic.k_persist) == (4, 2)
-    assert not dynamic.after_recovery(report(30, 1300))  # the loss before doubling no longer counts: 2.3%
-    assert dynamic.after_recovery(report(30, 1400))  # (30 + 30) / 1400 = 4.3%
-    assert (dynamic.k_snapshot, dynamic.k_persist) == (8, 4)
-    assert dynamic.after_recovery(report(100, 1500))
-    assert (dynamic.k_snapshot, dynamic.k_persist) == (8, 8)
-    assert not dynamic.after_recovery(report(1000, 1600))
+    assert dynamic.after_recovery(report(15, 1000), accumulated_plt=0.030)  # 3.0% + 1.5% would not
+    assert (dynamic.k_snapshot, dynamic.k_persist) == (4, 2), "one doubling: 3.0% + 0.75% fits"
+    assert dynamic.after_recovery(report(40, 1000), accumulated_plt=0.034)  # needs 4.0% -> 1.0% -> 0.5% -> 0.25%
+    assert (dynamic.k_snapshot, dynamic.k_persist) == (8, 8), "doubles until it fits or K = N"
+    assert not dynamic.after_recovery(report(100, 1000), accumulated_plt=0.5)
     assert (dynamic.k_snapshot, dynamic.k_persist) == (8, 8)
 
 
 def test_dynamic_k_state_survives_restarts() -> None:
     dynamic = DynamicK(k_snapshot=1, k_persist=1, num_experts=4, threshold=0.1)
-    dynamic.after_recovery(report(5, 100))
+    dynamic.after_recovery(report(8, 100), accumulated_plt=0.08)
     restored = DynamicK(k_snapshot=1, k_persist=1, num_experts=4, threshold=0.1)
     restored.load_state_dict(dynamic.state_dict())
-    assert restored.after_recovery(report(6, 100))  # 11% only with the restored 5 lost tokens
-    assert (restored.k_snapshot, restored.k_persist) == (2, 2)
+    assert (restored.k_snapshot, restored.k_persist) == (dynamic.k_snapshot, dynamic.k_persist) == (4, 4)
 
 
 @pytest.mark.parametrize(
