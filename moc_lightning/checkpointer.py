@@ -23,21 +23,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.layout import Layout, materialize_optimizer_state, param_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
-from moc_lightning.manifest import CheckpointRecord, Manifest
+from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
 from moc_lightning.selection import Selection, UnsavedTokens, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.size_model import SizeModel, size_model
-from moc_lightning.storage import CheckpointStorage
+from moc_lightning.storage import CheckpointStorage, corrupt_from
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 MANIFEST = "manifest.json"
+PREVIOUS_MANIFEST = "manifest.previous.json"
+
+
+class UnreadableCheckpoint(Exception):
+    """A stored checkpoint failed verification; recovery plans again without it."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"checkpoint {name} is unreadable: {detail}")
+        self.name = name
 
 
 def checkpoint_name(step: int) -> str:
@@ -226,7 +236,9 @@ class PECCheckpointer:
     def _commit(self, record: CheckpointRecord, description: dict[str, Any]) -> None:
         """Self-description first, then the manifest (the commit point), then retention's deletions."""
         self.storage.put(f"{record.name}/moc.json", json.dumps(description).encode())
-        manifest, removed = self.read_manifest().with_record(record).retire(self.cfg.retention)
+        current = self.read_manifest()
+        manifest, removed = current.with_record(record).retire(self.cfg.retention)
+        self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
         self.storage.put(MANIFEST, manifest.to_json())
         for name in removed:
             self.storage.delete(name)
@@ -317,22 +329,58 @@ class PECCheckpointer:
 
     # ------------------------------------------------------------------- load
     def read_manifest(self) -> Manifest:
+        """The committed manifest; if it is unreadable, the one committed before it (and say so)."""
         data = self.storage.get(MANIFEST)
-        return Manifest() if data is None else Manifest.from_json(data)
+        if data is None:
+            return Manifest()
+        try:
+            return Manifest.from_json(data)
+        except ManifestError as err:
+            previous = self.storage.get(PREVIOUS_MANIFEST)
+            if previous is None:
+                raise ManifestError(f"{self.storage.url}/{MANIFEST} is unreadable ({err}) and no previous "
+                                    "manifest exists to fall back to") from err
+            manifest = Manifest.from_json(previous)
+            print(f"[moc_lightning] {MANIFEST} is unreadable ({err}); using the previous manifest "
+                  f"(latest step {manifest.latest.step if manifest.latest else None})")
+            return manifest
 
     def read_description(self, step: int) -> dict[str, Any]:
         """The ``moc.json`` of the checkpoint of ``step``: its record, engine and trainer state, parameter map."""
-        data = self.storage.get(f"{checkpoint_name(step)}/moc.json")
+        name = checkpoint_name(step)
+        data = self.storage.get(f"{name}/moc.json")
         if data is None:
-            raise FileNotFoundError(f"checkpoint of step {step} has no moc.json under {self.storage.url}")
-        return json.loads(data)
+            raise UnreadableCheckpoint(name, f"{name}/moc.json is missing")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise UnreadableCheckpoint(name, f"{name}/moc.json is unreadable: {err}") from err
 
     def load_latest(self) -> LoadReport | None:
-        """Restore the newest state in storage into the live model and optimizer; ``None`` if there is none."""
+        """Restore the newest readable state in storage; ``None`` if there is none.
+
+        A checkpoint that fails verification (checksum, truncated or missing file, bad metadata) is dropped
+        from the manifest and the load is planned again from the versions before it.
+        """
         manifest = self.read_manifest()
+        while manifest.latest is not None:
+            try:
+                return self._load_newest(manifest)
+            except UnreadableCheckpoint as bad:
+                manifest = self.forget(manifest, bad)
+        return None
+
+    def forget(self, manifest: Manifest, bad: UnreadableCheckpoint) -> Manifest:
+        """Drop an unreadable checkpoint from ``manifest`` and commit that, so nothing builds on it again."""
+        print(f"[moc_lightning] {bad}; falling back to the versions stored before {bad.name}")
+        manifest = manifest.without({bad.name})
+        if self._is_coordinator:
+            self.storage.put(MANIFEST, manifest.to_json())
+        self._barrier()
+        return manifest
+
+    def _load_newest(self, manifest: Manifest) -> LoadReport:
         latest = manifest.latest
-        if latest is None:
-            return None
         self.load_state_dict(self.read_description(latest.step)["engine"])
         self.prepare_for_load()
         sources = {unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()}
@@ -359,11 +407,17 @@ class PECCheckpointer:
         """
         for record in sorted(set(sources.values()), key=lambda r: r.step):
             wanted = [u for u in self.layout.units if sources.get(u) is record]
-            dcp.load(
-                self.layout.tensors(wanted),
-                storage_reader=self.storage.reader(record.name),
-                process_group=self.process_group,
-            )
+            try:
+                dcp.load(
+                    self.layout.tensors(wanted),
+                    storage_reader=self.storage.reader(record.name),
+                    process_group=self.process_group,
+                )
+            except CheckpointException as err:  # DCP gathers every rank's failure: all ranks decide alike
+                corrupt = corrupt_from(err)
+                if corrupt is None:
+                    raise
+                raise UnreadableCheckpoint(record.name, str(corrupt)) from err
 
     def account_recovery(self, resume_step: int, restored_from: list[list[int]]) -> LoadReport:
         """PLT of the recovery (eq. 7) from the ledger, then Dynamic-K."""

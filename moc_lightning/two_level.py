@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moc_lightning.checkpointer import PECCheckpointer, SaveReport
+from moc_lightning.checkpointer import PECCheckpointer, SaveReport, UnreadableCheckpoint
 from moc_lightning.faults import FaultInjector
+from moc_lightning.manifest import Manifest
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.snapshot import SlotMeta, SnapshotStore
@@ -231,12 +232,25 @@ class TwoLevelCheckpointer:
 
     # --------------------------------------------------------------- recovery
     def recover(self) -> RecoveryReport | None:
-        """Restore the newest consistent state from memory and storage; ``None`` when there is none."""
+        """Restore the newest consistent state from memory and storage; ``None`` when there is none.
+
+        A stored checkpoint that fails verification is dropped from the manifest and the recovery is planned
+        again without it (every rank sees the same failure, so every rank takes the same path).
+        """
         start = time.perf_counter()
-        pec = self.pec
         metas = self.store.committed()
         inventory = _all_gather([SlotInventory(self.rank, m.slot, m.step, frozenset(m.units)) for m in metas])
-        manifest = pec.read_manifest()
+        manifest = self.pec.read_manifest()
+        while True:
+            try:
+                return self._recover_with(manifest, metas, inventory, start)
+            except UnreadableCheckpoint as bad:
+                manifest = self.pec.forget(manifest, bad)
+
+    def _recover_with(
+        self, manifest: Manifest, metas: list[SlotMeta], inventory: list[SlotInventory], start: float
+    ) -> RecoveryReport | None:
+        pec = self.pec
         experts = [ExpertUnit(layer, e).key for layer, n in enumerate(pec.layout.num_experts) for e in range(n)]
         plan = plan_recovery([u.key for u in pec.layout.dense_units], experts, inventory, manifest)
         if plan is None:
@@ -247,8 +261,11 @@ class TwoLevelCheckpointer:
         pec.prepare_for_load()
         self._restore_from_memory(plan, by_slot)
         pec.load_from_storage(
-            {parse_unit(key): manifest.by_name(src.checkpoint) for key, src in plan.sources.items()
-             if src.level == "storage"}
+            {
+                parse_unit(key): manifest.by_name(src.checkpoint)
+                for key, src in plan.sources.items()
+                if src.level == "storage"
+            }
         )
         restored_from = [
             [plan.sources[ExpertUnit(layer, e).key].step for e in range(n)]

@@ -6,6 +6,8 @@ control files (the manifest, each checkpoint's ``moc.json``) go through ``put``/
 a reader sees the old bytes or the new ones, never a torn file.
 
 Backends: ``filesystem`` (DCP's own file writer) and ``tensorstore`` (zarr v3 arrays via TensorStore).
+Both checksum every stored item and raise :class:`CorruptCheckpointError` when a read finds damage; DCP
+re-raises it wrapped, on every rank, and :func:`corrupt_from` finds it again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Protocol
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 from moc_lightning.storage.filesystem import FilesystemStorage
+from moc_lightning.storage.integrity import CorruptCheckpointError, corrupt_from
 from moc_lightning.storage.tensorstore import TensorStoreStorage
 
 
@@ -34,7 +37,11 @@ class CheckpointStorage(Protocol):
         ...
 
     def reader(self, name: str) -> StorageReader:
-        """A DCP reader for checkpoint ``name``; it refuses a checkpoint whose save never finished."""
+        """A DCP reader for checkpoint ``name``; it refuses a checkpoint whose save never finished.
+
+        Any damage it finds (an item failing its checksum, a truncated or missing object, unreadable
+        ``.metadata``) raises :class:`CorruptCheckpointError` before damaged bytes reach the planner.
+        """
         ...
 
     def put(self, name: str, data: bytes) -> None:
@@ -48,6 +55,9 @@ class CheckpointStorage(Protocol):
     def delete(self, name: str) -> None:
         """Remove checkpoint ``name`` and everything under it; a missing one is not an error."""
         ...
+
+
+__all__ = ["BACKENDS", "CheckpointStorage", "CorruptCheckpointError", "corrupt_from", "make_storage"]
 
 
 def make_storage(backend: str, url: str) -> CheckpointStorage:

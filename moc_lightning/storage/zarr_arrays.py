@@ -1,9 +1,9 @@
 """One tensor chunk as one zarr v3 array through TensorStore: dtypes, chunk grid, write, region read.
 
-Arrays are plain zarr v3 (regular chunk grid, ``bytes`` codec, no compression) so zarr-python 3 and any
-other zarr v3 reader open them without this package. bfloat16 is the zarr-extensions ``bfloat16`` data
-type: TensorStore reads it natively; zarr-python 3.1 needs it registered first (a few lines over
-``ml_dtypes``, as ``tests/test_storage.py`` shows).
+Arrays are plain zarr v3 (regular chunk grid, ``bytes`` then ``crc32c`` codec, no compression) so
+zarr-python 3 and any other zarr v3 reader open them without this package. bfloat16 is the zarr-extensions
+``bfloat16`` data type: TensorStore reads it natively; zarr-python 3.1 needs it registered first (a few
+lines over ``ml_dtypes``, as ``tests/test_storage.py`` shows).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ ZARR_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "bool",
 }
 """Tensor dtypes a checkpoint can hold, by their zarr v3 ``data_type`` name."""
+
+CODECS: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+"""Raw little-endian bytes followed by their CRC32C in every zarr chunk: TensorStore verifies it on every read,
+partial (resharded) reads included, which a checksum of the whole array could not offer without reading it all."""
 
 TARGET_CHUNK_BYTES = 64 << 20
 """Bytes per zarr chunk (one object in the kvstore): big enough that object stores see few, large
@@ -83,14 +87,15 @@ def open_new_array(kvstore: ts.KvStore, key: str, shape: tuple[int, ...], dtype:
                 "name": "regular",
                 "configuration": {"chunk_shape": chunk_shape(shape, dtype.itemsize)},
             },
+            "codecs": CODECS,
         },
     }
     return ts.open(spec, kvstore=kvstore / f"{key}/", create=True, delete_existing=True)
 
 
 def open_array(kvstore: ts.KvStore, key: str) -> ts.Future:
-    """Start opening the existing array at ``key/``."""
-    return ts.open({"driver": "zarr3"}, kvstore=kvstore / f"{key}/", open=True)
+    """Start opening the existing array at ``key/``; reading a missing zarr chunk fails rather than give fill values."""
+    return ts.open({"driver": "zarr3", "fill_missing_data_reads": False}, kvstore=kvstore / f"{key}/", open=True)
 
 
 def region(offsets: torch.Size, lengths: torch.Size) -> tuple[slice, ...]:

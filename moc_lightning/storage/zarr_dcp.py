@@ -18,6 +18,10 @@ what was written, and DCP's metadata says how chunks tile each tensor, which res
 A checkpoint exists only once ``.metadata`` does: the coordinator writes it in ``finish``, after every
 rank's ``write_data`` has committed (TensorStore acknowledges a write once it is durable; the file
 driver fsyncs the file and its directory), and removes a stale one before any rank writes.
+
+Integrity: every zarr chunk ends with its CRC32C (zarr's ``crc32c`` codec, checked by TensorStore on every
+read), a missing zarr chunk is an error rather than fill values, and each non-tensor value's CRC32C is in
+``.metadata``. Damage of any kind raises :class:`CorruptCheckpointError`.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import io
 import math
 import os
 import pickle
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import tensorstore as ts
+import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -52,14 +58,21 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from moc_lightning.storage.inflight import in_flight, settle
+from moc_lightning.storage.integrity import METADATA_NAME, CorruptCheckpointError, checksum, load_metadata, verified
 from moc_lightning.storage.location import kvstore_spec, open_kvstore
 from moc_lightning.storage.zarr_arrays import from_numpy, open_array, open_new_array, region, to_numpy
 
-METADATA_KEY = ".metadata"
 BLOBS_PREFIX = ".bytes/"
 IN_FLIGHT_BYTES = 512 << 20
 """Tensor bytes a writer or reader keeps in flight: enough to overlap I/O across arrays, bounded so a
 save does not hold a second copy of a rank's whole share (TensorStore copies what it is asked to write)."""
+
+CORRUPTION_STATUSES = frozenset({"DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
+"""TensorStore status codes of reads that stored bytes failed: a checksum mismatch, a missing chunk or array,
+a truncated chunk, an array smaller than the metadata says. Others (``UNAVAILABLE``, ...) are not damage."""
+
+OS_ERROR_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
+"""How TensorStore tags an error the operating system reported (``No space left on device``: code 28)."""
 
 T = TypeVar("T")
 
@@ -73,17 +86,34 @@ class ArrayRef:
 
 @dataclass(frozen=True)
 class BlobRef:
-    """Where a non-tensor value is stored: a byte range of a blob object."""
+    """Where a non-tensor value is stored: a byte range of a blob object, and the CRC32C of that range."""
 
     key: str
     offset: int
     length: int
+    crc32c: int
 
 
 def array_key(index: MetadataIndex) -> str:
     """The array key of a chunk; the FQN is percent-quoted so any ``/`` in it cannot nest keys."""
     offsets = ".".join(str(o) for o in index.offset or ())
     return f"{quote(index.fqn, safe='')}/@{offsets}"
+
+
+@contextlib.contextmanager
+def os_errors_raised() -> Iterator[None]:
+    """Re-raise a TensorStore error the operating system caused (ENOSPC, EIO, EACCES) as ``OSError`` with its errno.
+
+    The filesystem backend raises those as ``OSError`` already; callers then tell a full disk from a bug
+    the same way under both backends.
+    """
+    try:
+        yield
+    except ValueError as err:
+        found = OS_ERROR_CODE.search(str(err))
+        if found is None:
+            raise
+        raise OSError(int(found[1]), str(err)) from err
 
 
 def _completed(value: T) -> Future[T]:
@@ -141,14 +171,16 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         A failed earlier attempt at this location may have left ``.metadata`` behind; arrays rewritten
         under it would make it describe a mix of old and new bytes.
         """
-        self.kvstore.delete_range(ts.KvStore.KeyRange(METADATA_KEY, METADATA_KEY + "\x00")).result()
+        self.kvstore.delete_range(ts.KvStore.KeyRange(METADATA_NAME, METADATA_NAME + "\x00")).result()
         return [dataclasses.replace(plan, storage_data=f"{BLOBS_PREFIX}{i}") for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write every chunk of ``plan`` as its own array and its non-tensor values as one blob; return when durable.
+        """Write every chunk of ``plan`` as its own array and its non-tensor values as one blob; return when durable."""
+        with os_errors_raised():
+            return _completed(self._write_arrays(plan, planner) + self._write_values(plan, planner))
 
-        Array creations (metadata only) all start at once; data writes are windowed by ``in_flight``.
-        """
+    def _write_arrays(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Array creations (metadata only) all start at once; data writes are windowed by ``in_flight``."""
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         creations = [self._create_array(item) for item in tensor_items]
         started = (self._write_operation(item, store, planner) for item, store in zip(tensor_items, creations))
@@ -161,7 +193,7 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         except BaseException:
             settle(creations)
             raise
-        return _completed(results + self._write_values(plan, planner))
+        return results
 
     def _create_array(self, item: WriteItem) -> ts.Future:
         tensor = item.tensor_data
@@ -192,8 +224,9 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         results = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item).getbuffer()
-                results.append(WriteResult(item.index, len(data), BlobRef(plan.storage_data, blob.tell(), len(data))))
+                data = planner.resolve_data(item).getvalue()
+                ref = BlobRef(plan.storage_data, blob.tell(), len(data), checksum(data))
+                results.append(WriteResult(item.index, len(data), ref))
                 blob.write(data)
         if results:
             self.kvstore.write(plan.storage_data, blob.getvalue()).result()
@@ -204,7 +237,8 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
         metadata.storage_meta = self.storage_meta()
-        self.kvstore.write(METADATA_KEY, pickle.dumps(metadata)).result()
+        with os_errors_raised():
+            self.kvstore.write(METADATA_NAME, pickle.dumps(metadata)).result()
 
 
 class TensorStoreReader(CheckpointLocation, StorageReader):
@@ -223,13 +257,12 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's DCP metadata; a checkpoint without it was never finished and is refused."""
-        found = self.kvstore.read(METADATA_KEY).result()
-        if found.state != "value":
-            raise FileNotFoundError(f"no finished checkpoint at {self.kvstore.url} (its {METADATA_KEY} is missing)")
-        metadata: Metadata = pickle.loads(found.value)
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return load_metadata(self.kvstore.url, self._read_object(METADATA_NAME), self.load_id)
+
+    def _read_object(self, key: str) -> bytes | None:
+        """The bytes of object ``key``; ``None`` if it does not exist."""
+        found = self.kvstore.read(key).result()
+        return found.value if found.state == "value" else None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -247,20 +280,36 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
         """
         tensor_reads = [item for item in plan.items if item.type == LoadItemType.TENSOR]
         keys = {self.storage_data[item.storage_index].key for item in tensor_reads}
-        stores = {key: open_array(self.kvstore, key) for key in keys}
-        started = (self._read_operation(item, stores) for item in tensor_reads)
-        for item, read in in_flight(started, IN_FLIGHT_BYTES):  # reads change nothing: no need to settle
-            stored = from_numpy(read.result())
-            target = planner.resolve_tensor(item).detach()
-            if target.shape != stored.shape:
-                raise ValueError(
-                    f"{item.storage_index}: read a box of shape {tuple(stored.shape)} "
-                    f"for a target of shape {tuple(target.shape)}"
-                )
-            target.copy_(stored)
-            planner.commit_tensor(item, target)
+        with self._damage_reported():
+            stores = {key: open_array(self.kvstore, key) for key in keys}
+            started = (self._read_operation(item, stores) for item in tensor_reads)
+            for item, read in in_flight(started, IN_FLIGHT_BYTES):  # reads change nothing: no need to settle
+                self._commit_box(item, from_numpy(read.result()), planner)
         self._read_values([item for item in plan.items if item.type == LoadItemType.BYTE_IO], planner)
         return _completed(None)
+
+    @contextlib.contextmanager
+    def _damage_reported(self) -> Iterator[None]:
+        """Turn TensorStore's errors about damaged stored bytes into :class:`CorruptCheckpointError`."""
+        try:
+            yield
+        except ValueError as err:
+            message = str(err).split(" [tensorstore_spec=", 1)[0]  # drop the spec TensorStore appends
+            if message.split(":", 1)[0] not in CORRUPTION_STATUSES:
+                raise
+            raise CorruptCheckpointError(self.kvstore.url, message) from err
+
+    def _commit_box(self, item: ReadItem, stored: torch.Tensor, planner: LoadPlanner) -> None:
+        """Copy a box read from storage into the planner's target for ``item``."""
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != stored.shape:
+            raise CorruptCheckpointError(
+                self.kvstore.url,
+                f"array {self.storage_data[item.storage_index].key} gave a box of shape {tuple(stored.shape)} "
+                f"for a target of shape {tuple(target.shape)}",
+            )
+        target.copy_(stored)
+        planner.commit_tensor(item, target)
 
     def _read_operation(
         self, item: ReadItem, stores: dict[str, ts.Future]
@@ -270,11 +319,19 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
         return math.prod(item.lengths) * box.dtype.numpy_dtype.itemsize, lambda: (item, box.read())
 
     def _read_values(self, items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Hand each non-tensor value its bytes, reading each blob once."""
+        """Hand each non-tensor value its verified bytes, reading each blob once."""
         blobs: dict[str, bytes] = {}
         for item in items:
             ref = self.storage_data[item.storage_index]
             if ref.key not in blobs:
-                blobs[ref.key] = self.kvstore.read(ref.key).result().value
-            planner.load_bytes(item, io.BytesIO(blobs[ref.key][ref.offset : ref.offset + ref.length]))
+                blobs[ref.key] = self._read_blob(ref.key)
+            what = f"value {item.storage_index.fqn!r} (bytes {ref.offset}..{ref.offset + ref.length} of {ref.key})"
+            data = blobs[ref.key][ref.offset : ref.offset + ref.length]
+            planner.load_bytes(item, io.BytesIO(verified(self.kvstore.url, what, data, ref.length, ref.crc32c)))
+
+    def _read_blob(self, key: str) -> bytes:
+        data = self._read_object(key)
+        if data is None:
+            raise CorruptCheckpointError(self.kvstore.url, f"blob {key} is missing")
+        return data
 
