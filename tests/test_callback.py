@@ -1,0 +1,100 @@
+"""MoCCheckpoint in a Lightning Trainer: overlapped snapshots, and resume through ``ckpt_path``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.layout import build_layout
+from moc_lightning.models import GPTMoEConfig
+from moc_lightning.models.lightning import GPTMoEModule
+
+MODEL = GPTMoEConfig(block_size=32)
+
+
+class StepTimer(L.Callback):
+    """Wall time of each training step, batch start to batch start."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    @property
+    def mean_step(self) -> float:
+        gaps = [b - a for a, b in zip(self.starts[1:], self.starts[2:])]  # skip the first (warm-up) step
+        return sum(gaps) / len(gaps)
+
+
+class StateCapture(L.Callback):
+    """The full state (weights and optimizer), learning rate and step when training starts and ends."""
+
+    def _capture(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+        layout = build_layout(module, trainer.optimizers[0], num_experts=MODEL.num_experts)
+        return {
+            "tensors": {k: v.clone() for k, v in layout.tensors().items()},
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "step": trainer.global_step,
+        }
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start = self._capture(trainer, module)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.end = self._capture(trainer, module)
+
+
+def _fit(tmp_path: Path, config: CheckpointConfig, max_steps: int, extra: list[L.Callback]) -> MoCCheckpoint:
+    moc = MoCCheckpoint(config)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path / "run"),
+        callbacks=[moc, *extra],
+    )
+    module = GPTMoEModule(MODEL, seed=0)
+    data = LMDataModule(DataConfig(batch_size=8), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
+    trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target())
+    return moc
+
+
+def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
+    return CheckpointConfig(
+        storage=StorageConfig(url=(tmp_path / "ckpt").as_uri()), shm_root=str(tmp_path / "shm"), **kw
+    )
+
+
+def test_snapshot_every_step_stalls_under_ten_percent_of_a_step(tmp_path: Path) -> None:
+    timer = StepTimer()
+    moc = _fit(tmp_path, _config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=10), 40, [timer])
+    stats = moc.engine.stats
+    mean_stall = sum(stats.stall_seconds) / len(stats.stall_seconds)
+    print(f"mean stall {mean_stall * 1e3:.3f} ms per snapshot, mean step {timer.mean_step * 1e3:.2f} ms")
+    assert stats.snapshots == 40 and stats.persists >= 1
+    assert mean_stall < 0.1 * timer.mean_step
+
+
+def test_resume_restores_weights_optimizer_scheduler_and_step(tmp_path: Path) -> None:
+    config = _config(tmp_path, k_snapshot=8, k_persist=8, every_n_train_steps=5, persist_every_n_snapshots=2)
+    first, resumed = StateCapture(), StateCapture()
+    _fit(tmp_path, config, 10, [first])
+    moc = _fit(tmp_path, config, 20, [resumed])
+    assert moc.recovery.resume_step == 10 and resumed.start["step"] == 10 and resumed.end["step"] == 20
+    assert {s["level"] for s in moc.recovery.sources.values()} == {"memory_local"}
+    assert resumed.start["lr"] == first.end["lr"], "the LR scheduler continues where it stopped"
+    assert first.end["lr"] != first.start["lr"]
+    for key, tensor in resumed.start["tensors"].items():
+        assert torch.equal(tensor, first.end["tensors"][key]), f"{key} differs after resume"
