@@ -244,3 +244,37 @@ def test_train_recipe_through_hydra_submitit_launcher(
     assert [r["step"] for r in manifest["records"]] == [5, 15]
     for record in manifest["records"]:
         assert (run_dir / "checkpoints" / record["name"] / ".metadata").is_file()
+
+
+def test_requeued_job_resumes_from_the_moc_checkpoint(slurm_cluster: None, tmp_path: Path) -> None:
+    """Requeue a running training job: SLURM kills and reruns it, and the rerun resumes instead of restarting."""
+    sweep_dir = tmp_path / "sweep"
+    run_dir = sweep_dir / "0"
+    cmd = [
+        sys.executable, "recipes/train.py", "-m", "hydra/launcher=slurm", "trainer.devices=1",
+        "trainer.max_steps=150", "trainer.val_check_interval=100", "checkpoint.every_n_train_steps=10",
+        f"checkpoint.shm_root={tmp_path / 'shm'}", f"hydra.sweep.dir={sweep_dir}",
+        f"hydra.launcher.partition={PARTITION}", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=2",
+        "hydra.launcher.mem_gb=4", "hydra.launcher.timeout_min=10",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        manifest = run_dir / "checkpoints" / "manifest.json"
+        deadline = time.monotonic() + 180
+        while not manifest.exists() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.5)
+        assert manifest.exists(), f"no persist before the requeue:\n{_job_logs(sweep_dir)}"
+        job_id = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir())
+        _run(["scontrol", "requeue", job_id])
+        output, _ = launcher.communicate(timeout=300)
+    except BaseException:
+        launcher.kill()
+        _cancel_sweep_jobs(sweep_dir)
+        raise
+    detail = f"{output[-3000:]}\n{_job_logs(sweep_dir)}"
+    assert launcher.returncode == 0, detail
+    assert _job_fields(job_id).get("Restarts") == "1", detail
+    report = json.loads((run_dir / "moc_recovery" / "rank0.json").read_text())
+    assert report["resume_step"] >= 10, detail
+    assert "finished 150 steps" in (sweep_dir / ".submitit" / job_id / f"{job_id}_0_log.out").read_text(), detail
+    print(f"\n[slurm] requeued job resumed at step {report['resume_step']}")
