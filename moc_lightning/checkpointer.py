@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.distributed import collective_device
 from moc_lightning.layout import Layout, materialize_optimizer_state, param_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
@@ -135,7 +136,10 @@ class PECCheckpointer:
     def _sync_tokens(self) -> None:
         flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
         if dist.is_initialized():
-            dist.all_reduce(flat)  # default group, on the training thread (persists use their own group)
+            # default group, on the training thread (persists use their own gloo group)
+            flat = flat.to(collective_device())
+            dist.all_reduce(flat)
+            flat = flat.cpu()
         sizes = [len(p) for p in self._pending] + [len(self._pending_assigned)]
         *counts, assigned = flat.split(sizes)
         for i, c in enumerate(counts):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moc_lightning.checkpointer import PECCheckpointer, SaveReport, UnreadableCheckpoint
+from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
 from moc_lightning.manifest import Manifest
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
@@ -141,8 +142,12 @@ class TwoLevelCheckpointer:
             if i == half:
                 self.faults.at("snapshot", step)
 
+        ready = None
+        if any(t.is_cuda for t in tensors.values()):
+            ready = torch.cuda.Event()
+            ready.record()  # the values are final once the training stream reaches this point
         future = self._copier.submit(
-            self.store.write, slot, step, tuple(u.key for u in mine), tensors, extra, hook
+            self.store.write, slot, step, tuple(u.key for u in mine), tensors, extra, hook, ready
         )
         self._snapshot = (future, time.perf_counter(), persist_units)
 
@@ -167,6 +172,7 @@ class TwoLevelCheckpointer:
         """Every rank must agree, or the persist's collectives would not match across ranks."""
         free = torch.tensor([0 if self._persist is not None and not self._persist.done() else 1])
         if dist.is_initialized():
+            free = free.to(collective_device())
             dist.all_reduce(free, op=dist.ReduceOp.MIN)
         return bool(free.item())
 
@@ -312,10 +318,12 @@ class TwoLevelCheckpointer:
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.uint8)
             if dist.is_initialized() and self.pec.topology.world_size > 1:
+                flat = flat.to(collective_device())
                 dist.broadcast(flat, src=source.rank)
+                flat = flat.cpu()
             if unit in layout.slots:
                 live = layout.tensors([unit])
-                for (name, target), piece in zip(live.items(), flat.split(sizes)):
+                for target, piece in zip(live.values(), flat.split(sizes)):
                     target.copy_(piece.view(target.dtype).view(target.shape))
 
     def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:
@@ -339,7 +347,7 @@ def _lowest_rank_with(has: bool) -> int | None:
     """The lowest rank for which ``has`` holds (collective), or ``None`` if no rank has it."""
     if not dist.is_initialized():
         return 0 if has else None
-    mark = torch.tensor([dist.get_rank() if has else dist.get_world_size()])
+    mark = torch.tensor([dist.get_rank() if has else dist.get_world_size()], device=collective_device())
     dist.all_reduce(mark, op=dist.ReduceOp.MIN)
     return int(mark.item()) if int(mark.item()) < dist.get_world_size() else None
 
