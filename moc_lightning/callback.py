@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from moc_lightning.config import CheckpointConfig
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.layout import build_layout
 from moc_lightning.models.parallel import ExpertParallelTopology
-from moc_lightning.snapshot import SnapshotStore
+from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.storage import make_storage
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 
@@ -101,6 +102,7 @@ class MoCCheckpoint(Checkpoint):
         )
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
+        check_shm_root(self.config, pec, slot_root)
         if faults.lost_node and slot_root.parent == self._slot_root(faults.faulty_rank).parent:
             lose_node(slot_root.parent)
         if dist.is_initialized():
@@ -228,6 +230,41 @@ class MoCCheckpoint(Checkpoint):
     ) -> None:
         if "moc_rng" in checkpoint:
             _set_rng_states(checkpoint["moc_rng"])
+
+
+def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Path) -> None:
+    """Fail before training when the shared-memory root is missing or cannot hold this node's slots.
+
+    Estimate per rank and slot: the dense units and ``k_snapshot`` experts per MoE layer, spread over the
+    ranks, with 50% headroom for uneven ownership; every rank of the node keeps ``NUM_SLOTS`` slots there.
+    """
+    root = Path(config.shm_root)
+    if not root.parent.is_dir():
+        raise ValueError(
+            f"checkpoint.shm_root={config.shm_root} cannot be created: {root.parent} does not exist; "
+            "point it at a node-local tmpfs such as /dev/shm/moc_lightning"
+        )
+    layout, topology = pec.layout, pec.topology
+    dense = sum(pec._unit_nbytes(u) for u in layout.dense_units)
+    per_expert = [
+        pec._unit_nbytes(next(u for u in layout.expert_units if u.layer == layer))
+        for layer in range(len(layout.num_experts))
+    ]
+    per_slot = 1.5 * (dense + pec.dynamic_k.k_snapshot * sum(per_expert)) / topology.world_size
+    local_ranks = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = int(NUM_SLOTS * per_slot * local_ranks)
+    free = shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(slot_root)
+    if free < needed:
+        raise ValueError(
+            f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the snapshot slots need "
+            f"about {needed / 1e6:.1f} MB ({NUM_SLOTS} slots x {local_ranks} ranks x {per_slot / 1e6:.1f} MB at "
+            f"k_snapshot={pec.dynamic_k.k_snapshot}); use a larger tmpfs or a smaller checkpoint.k_snapshot"
+        )
+
+
+def _already_used(slot_root: Path) -> int:
+    """Bytes this rank's existing slots occupy (they are reused, so they count as available)."""
+    return sum(p.stat().st_size for p in slot_root.rglob("data")) if slot_root.exists() else 0
 
 
 class _MoCCheckpointIO(CheckpointIO):

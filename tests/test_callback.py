@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 
 from moc_lightning.callback import MoCCheckpoint
@@ -98,3 +100,17 @@ def test_resume_restores_weights_optimizer_scheduler_and_step(tmp_path: Path) ->
     assert first.end["lr"] != first.start["lr"]
     for key, tensor in resumed.start["tensors"].items():
         assert torch.equal(tensor, first.end["tensors"][key]), f"{key} differs after resume"
+
+
+def test_missing_shm_root_fails_before_training(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    config.shm_root = str(tmp_path / "no" / "such" / "dir")
+    with pytest.raises(ValueError, match=r"checkpoint.shm_root=.* cannot be created: .* does not exist"):
+        _fit(tmp_path, config, 2, [])
+
+
+def test_too_small_shm_root_says_how_much_is_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1_000_000))
+    with pytest.raises(ValueError, match=r"has 1.0 MB free, but the snapshot slots need about .* MB \(3 slots"):
+        _fit(tmp_path, _config(tmp_path), 2, [])
