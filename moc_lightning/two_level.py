@@ -106,7 +106,7 @@ class TwoLevelCheckpointer:
         self.stats = CheckpointStats()
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="moc-snapshot")
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="moc-persist")
-        self._snapshot: tuple[Future[SlotMeta], float, tuple[Unit, ...] | None] | None = None
+        self._snapshot: tuple[Future[tuple[SlotMeta, float]], tuple[Unit, ...] | None] | None = None
         self._persist: Future[SaveReport] | None = None
         self._persisting_slot: int | None = None
         self._recovery_slot: int | None = None
@@ -147,22 +147,28 @@ class TwoLevelCheckpointer:
             ready = torch.cuda.Event()
             ready.record()  # the values are final once the training stream reaches this point
         future = self._copier.submit(
-            self.store.write, slot, step, tuple(u.key for u in mine), tensors, extra, hook, ready
+            self._timed_write, slot, step, tuple(u.key for u in mine), tensors, extra, hook, ready
         )
-        self._snapshot = (future, time.perf_counter(), persist_units)
+        self._snapshot = (future, persist_units)
+
+    def _timed_write(self, *args: Any) -> tuple[SlotMeta, float]:
+        """The slot write and its own duration (the copy, not the time until someone waited for it)."""
+        start = time.perf_counter()
+        meta = self.store.write(*args)
+        return meta, time.perf_counter() - start
 
     def wait_snapshot(self) -> float:
         """Block until the running snapshot copy is complete; returns the stall in seconds."""
         if self._snapshot is None:
             return 0.0
-        future, started, persist_units = self._snapshot
+        future, persist_units = self._snapshot
         waited = time.perf_counter()
-        meta = future.result()
+        meta, copy_seconds = future.result()
         done = time.perf_counter()
         self._snapshot = None
         self.stats.snapshots += 1
         self.stats.stall_seconds.append(done - waited)
-        self.stats.snapshot_seconds.append(done - started)
+        self.stats.snapshot_seconds.append(copy_seconds)
         self.stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
         if persist_units is not None:
             self._start_persist(meta, persist_units)

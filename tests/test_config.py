@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from moc_lightning.bench import register_configs as register_bench_configs
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.training import TrainConfig, register_configs, to_train_config
 
@@ -23,15 +24,35 @@ def _compose(overrides: list[str], hydra_config: bool = False):
         return compose("train", overrides=overrides, return_hydra_config=hydra_config)
 
 
-def _group_options() -> list[tuple[str, str]]:
+TRAIN_GROUPS = ("model", "data", "trainer", "checkpoint", "hydra/launcher")
+BENCH_GROUPS = ("preset",)
+
+
+def _group_options(groups: tuple[str, ...]) -> list[tuple[str, str]]:
     return sorted(
         (str(path.parent.relative_to(CONF)), path.stem)
         for path in CONF.rglob("*.yaml")
-        if path.parent != CONF
+        if str(path.parent.relative_to(CONF)) in groups
     )
 
 
-@pytest.mark.parametrize(("group", "option"), _group_options())
+def test_every_config_file_is_composed_by_some_test() -> None:
+    """A new config group must be added to TRAIN_GROUPS or BENCH_GROUPS, or it would never be checked."""
+    roots = {path.stem for path in CONF.glob("*.yaml")}
+    groups = {str(path.parent.relative_to(CONF)) for path in CONF.rglob("*.yaml") if path.parent != CONF}
+    assert roots == {"train", "bench"}
+    assert groups == set(TRAIN_GROUPS) | set(BENCH_GROUPS)
+
+
+@pytest.mark.parametrize(("group", "option"), _group_options(BENCH_GROUPS))
+def test_every_bench_preset_composes(group: str, option: str) -> None:
+    register_bench_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("bench", overrides=[f"{group}={option}", "out=/tmp/x.json"])
+    assert cfg.steps > 0 and cfg.model.num_experts >= 1
+
+
+@pytest.mark.parametrize(("group", "option"), _group_options(TRAIN_GROUPS))
 def test_every_config_composes(group: str, option: str) -> None:
     overrides = [f"{group}={option}", *REQUIRED.get(f"{group}/{option}", [])]
     if group.startswith("hydra/"):

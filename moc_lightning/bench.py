@@ -1,0 +1,847 @@
+"""Checkpointing methods side by side on one machine: stall, overhead, bytes, throughput, recovery.
+
+``recipes/bench.py`` is the Hydra front end; everything here also runs from Python (:func:`run_bench`).
+Every method trains the same GPT-MoE from the same seed on the same batches in this one process (world
+size 1), so the differences between rows are the checkpointing and nothing else. Durations come from
+timers wrapped around the code that does the work (:func:`timed`), not from differences of iteration
+times, because a 2-core machine's iteration times are too noisy to subtract.
+
+Recovery is measured in process: after a method's run, a fresh module and Trainer are built and resumed
+from that method's newest checkpoint, the way a restarted rank would after its process was killed (files
+on disk and the shared-memory snapshot slots outlive a process), up to the first training step.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import ctypes
+import functools
+import gc
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hydra.core.config_store import ConfigStore
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.layout import Layout, build_layout
+from moc_lightning.models.gpt_moe import GPTMoEConfig
+from moc_lightning.models.lightning import GPTMoEModule, OptimConfig
+from moc_lightning.size_model import bytes_written, size_model
+from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
+
+try:
+    from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+    from nvidia_resiliency_ext.ptl_resiliency.local_checkpoint_callback import (
+        HierarchicalCheckpointIO,
+        LocalCheckpointCallback,
+    )
+except ImportError as error:  # an optional dependency: its row is skipped with this reason
+    NVRX_MISSING: str | None = f"nvidia-resiliency-ext does not import ({error}); pip install nvidia-resiliency-ext"
+else:
+    NVRX_MISSING = None
+
+    class HostTensorAwareStateDict(BasicTensorAwareStateDict):
+        """nvrx's basic tensor-aware state dict without its CUDA-only assertions.
+
+        Tensors are never moved back to a device on load: Lightning copies loaded weights into the live
+        parameters, and the optimizer casts its state to each parameter's device.
+        """
+
+        def __init__(self, state_dict: dict[str, Any]) -> None:
+            self.state_dict = state_dict
+            self._is_hollow = False
+
+        def restore_tensor_device(self, non_blocking: bool = True) -> None:
+            """Leave tensors where they were loaded."""
+
+    class LightningHierarchicalCheckpointIO(HierarchicalCheckpointIO):
+        """The two conversions nvrx leaves abstract: Lightning's checkpoint dict is the tensor-aware state."""
+
+        def to_tensor_aware_state_dict(self, checkpoint: dict[str, Any]) -> HostTensorAwareStateDict:
+            return HostTensorAwareStateDict(checkpoint)
+
+        def from_tensor_aware_state_dict(
+            self, tensor_aware_checkpoint: HostTensorAwareStateDict, **kwargs: Any
+        ) -> dict[str, Any]:
+            return tensor_aware_checkpoint.state_dict
+
+
+METHODS = ("lightning_sync", "lightning_async", "dcp_async", "nvrx_local", "moc_full", "moc_paper", "moc_k1")
+PAPER_K = (4, 1)
+"""The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
+GB = 1e9
+SETUP = "one process, world size 1, devices=1; every method trains the same model from one seed on the same batches"
+K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
+RECOVER_MEASURED = (
+    "in process: seconds from building a fresh module and Trainer to the start of the first training step "
+    "after restoring the method's newest checkpoint (files on disk; MoC also its snapshot slots)"
+)
+
+
+@dataclass
+class BenchConfig:
+    """Root of ``conf/bench.yaml``: one model, one data order, every method."""
+
+    model: GPTMoEConfig = field(default_factory=GPTMoEConfig)
+    """The GPT-MoE whose state is checkpointed (``conf/model/``)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Batches (``conf/data/``); every method sees the same ones."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW: its two moments are most of the checkpointed bytes."""
+    steps: int = 20
+    """Optimizer steps of each method's run."""
+    every_n_train_steps: int = 5
+    """Checkpoint interval of every method (MoC persists every snapshot)."""
+    warmup_steps: int = 2
+    """Leading iterations left out of the mean iteration time (allocator and thread-pool warm-up)."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """Methods to run, from :data:`METHODS`."""
+    seed: int = 0
+    """Seed of initialisation and data order, the same for every run."""
+    accelerator: str = "cpu"
+    """Lightning accelerator of the single device."""
+    out: str = ""
+    """JSON result file; empty: ``<run output dir>/bench.json``."""
+    work_dir: str = ""
+    """Where checkpoints are written (and the write+fsync bound measured); empty: ``<run output dir>/work``."""
+    shm_root: str = ""
+    """Directory in which a fresh, unique root for MoC's snapshot slots is made (and removed at the end);
+    empty: ``/dev/shm`` where it exists (a tmpfs, as on real nodes), else the system temp directory."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"methods {unknown} are unknown; choose among: {', '.join(METHODS)}")
+        for name in ("steps", "every_n_train_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < self.every_n_train_steps:
+            raise ValueError("steps must be >= every_n_train_steps, or no method checkpoints at all")
+        if not 0 <= self.warmup_steps < self.steps - 1:
+            raise ValueError(f"warmup_steps must be in [0, steps - 1), got {self.warmup_steps}")
+
+
+def register_configs() -> None:
+    """Register the schema so ``conf/bench.yaml`` (``defaults: [bench_schema, ...]``) is type-checked."""
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+
+
+def scaled_k(value: int, num_experts: int) -> int:
+    """The paper's K for N=16 experts scaled to ``num_experts``: ``max(1, round(value * N / 16))``."""
+    return max(1, round(value * num_experts / 16))
+
+
+class MethodUnavailable(RuntimeError):
+    """A method cannot run on this machine; its row says why instead of carrying numbers."""
+
+
+# ------------------------------------------------------------------- timing
+def timed(obj: Any, name: str, sink: list[tuple[int, float]], step: Callable[[], int]) -> None:
+    """Replace ``obj.name`` by a wrapper that appends ``(step(), seconds)`` of every call to ``sink``.
+
+    Patching the instance (not the class) times exactly the object a Trainer calls, whichever thread it
+    runs on, without changing what it does.
+    """
+    inner = getattr(obj, name)
+
+    @functools.wraps(inner)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        at = step()
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            sink.append((at, time.perf_counter() - start))
+
+    setattr(obj, name, wrapper)
+
+
+class StepClock(L.Callback):
+    """Start time of every training iteration; with ``stop_after_first``, training stops after one."""
+
+    def __init__(self, stop_after_first: bool = False) -> None:
+        self.starts: list[float] = []
+        self.stop_after_first = stop_after_first
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.stop_after_first:
+            trainer.should_stop = True
+
+    def iteration_seconds(self, skip: int) -> list[float]:
+        """Start-to-start durations: each includes whatever checkpointing blocked that iteration."""
+        return [b - a for a, b in zip(self.starts, self.starts[1:])][skip:]
+
+
+@dataclass
+class Probe:
+    """What one method's run recorded: ``(global_step, seconds)`` of each timed call."""
+
+    blocking: list[tuple[int, float]] = field(default_factory=list)
+    """The checkpoint callback's hook on the training thread."""
+    snapshot: list[tuple[int, float]] = field(default_factory=list)
+    """Copies of the state into memory, where the method makes one."""
+    persist: list[tuple[int, float]] = field(default_factory=list)
+    """Writes to storage."""
+
+
+@dataclass
+class Row:
+    """One method's line of the result; ``docs/bench.md`` documents every field. ``None``: no such phase."""
+
+    name: str
+    skipped: str | None = None
+    checkpoints: int | None = None
+    stall_ms_mean: float | None = None
+    stall_ms_p95: float | None = None
+    iter_ms_mean: float | None = None
+    iter_ms_median: float | None = None
+    overhead_pct: float | None = None
+    bytes_per_checkpoint: int | None = None
+    tensor_bytes_per_checkpoint: int | None = None
+    expected_bytes: float | None = None
+    snapshot_gbps: float | None = None
+    persist_gbps: float | None = None
+    snapshot_pct_of_light: float | None = None
+    persist_pct_of_light: float | None = None
+    recover_seconds: float | None = None
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What every method is measured against, from the same process."""
+
+    iteration_s: float
+    """Mean iteration time without checkpointing."""
+    state_bytes: int
+    """Weights and optimizer state."""
+    copy_gbps: float
+    """Speed of light of a snapshot: copy into a reused, preallocated buffer."""
+    write_fsync_gbps: float
+    """Speed of light of a persist: sequential write + fsync to the checkpoint directory's storage."""
+
+
+# ------------------------------------------------------------------ methods
+class Method(abc.ABC):
+    """One checkpointing method: what it adds to a Trainer, how a fresh run resumes, and what it wrote."""
+
+    def __init__(self, name: str, root: Path, every: int) -> None:
+        self.name = name
+        self.root = root
+        self.every = every
+        self.probe = Probe()
+        self.notes = ""
+
+    @abc.abstractmethod
+    def callbacks(self) -> list[L.Callback]:
+        """Callbacks of the training run."""
+
+    def session(self) -> contextlib.AbstractContextManager[None]:
+        """Process-wide set-up the method needs around its runs."""
+        return contextlib.nullcontext()
+
+    def attach(self, trainer: L.Trainer) -> None:
+        """Install checkpoint IO plugins and timers once the Trainer exists."""
+
+    @abc.abstractmethod
+    def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
+        """Callbacks, Trainer set-up and ``ckpt_path`` of a fresh run that restores the newest checkpoint."""
+
+    @abc.abstractmethod
+    def checkpoints(self) -> list[Path]:
+        """Each checkpoint on disk: a file, or a DCP directory."""
+
+    def stalls(self) -> list[float]:
+        """Seconds the training thread was blocked at each checkpoint step."""
+        return [s for step, s in self.probe.blocking if step > 0 and step % self.every == 0]
+
+    def expected_bytes(self, trainer: L.Trainer) -> float | None:
+        """Eq. 5: a full-state method checkpoints every parameter with its optimizer state."""
+        return size_model(_layout(trainer)).c_full()
+
+    def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
+        """Bytes of each timed copy into memory: full-state methods copy all of the state."""
+        return [_state_bytes(trainer)] * len(self.probe.snapshot)
+
+    def persist_seconds(self) -> list[float]:
+        """Duration of each write to storage."""
+        return [s for _, s in self.probe.persist]
+
+    def release(self) -> None:
+        """Drop references to the measured run, so that its model is freed before the recovery run builds one."""
+
+
+class LightningMethod(Method):
+    """``ModelCheckpoint`` every N steps: ``torch.save`` inline, or on ``AsyncCheckpointIO``'s thread."""
+
+    def __init__(self, name: str, root: Path, every: int, asynchronous: bool) -> None:
+        super().__init__(name, root, every)
+        self.asynchronous = asynchronous
+        self.checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every, save_top_k=-1)
+        if asynchronous:
+            self.notes = "snapshot: AsyncCheckpointIO clones every tensor on the training thread"
+
+    def callbacks(self) -> list[L.Callback]:
+        return [self.checkpoint]
+
+    def attach(self, trainer: L.Trainer) -> None:
+        step = _step_of(trainer)
+        writer = TorchCheckpointIO()
+        timed(writer, "save_checkpoint", self.probe.persist, step)
+        io = writer
+        if self.asynchronous:
+            io = AsyncCheckpointIO(writer)
+            timed(io, "save_checkpoint", self.probe.snapshot, step)
+        trainer.strategy.checkpoint_io = io
+        timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, step)
+
+    def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
+        return [], _nothing, self.checkpoint.best_model_path
+
+    def checkpoints(self) -> list[Path]:
+        return sorted((self.root / "ckpt").glob("*.ckpt"))
+
+
+class DCPAsync(L.Callback):
+    """torchtitan's checkpointing: DCP ``async_save`` in thread mode, after waiting for the previous save."""
+
+    def __init__(self, root: Path, every: int, probe: Probe) -> None:
+        self.root = root
+        self.every = every
+        self.probe = probe
+        self.future: Any = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every:
+            return
+        start = time.perf_counter()
+        self.wait()
+        staging = time.perf_counter()
+        model, optim = get_state_dict(pl_module, trainer.optimizers)
+        self.future = dcp.async_save(
+            {"model": model, "optim": optim},
+            checkpoint_id=self.root / f"step_{step:09d}",
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        )
+        returned = time.perf_counter()
+        self.future.add_done_callback(lambda _: self.probe.persist.append((step, time.perf_counter() - returned)))
+        self.probe.snapshot.append((step, returned - staging))
+        self.probe.blocking.append((step, returned - start))
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.wait()
+
+
+class DCPRestore(L.Callback):
+    """Loads a DCP checkpoint into the model and the optimizer before the first step."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = checkpoint
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model, optim = get_state_dict(pl_module, trainer.optimizers)  # templates, optimizer state initialised
+        state = {"model": model, "optim": optim}
+        dcp.load(state, checkpoint_id=self.checkpoint)
+        set_state_dict(pl_module, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class DCPMethod(Method):
+    """Full model + optimizer state through ``torch.distributed.checkpoint.async_save``."""
+
+    def __init__(self, name: str, root: Path, every: int) -> None:
+        super().__init__(name, root, every)
+        self.callback = DCPAsync(root / "ckpt", every, self.probe)
+        self.notes = "snapshot: async_save's blocking staging copy; recovery restores model+optimizer, not loops"
+
+    def callbacks(self) -> list[L.Callback]:
+        return [self.callback]
+
+    def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
+        return [DCPRestore(max((self.root / "ckpt").glob("step_*")))], _nothing, None
+
+    def checkpoints(self) -> list[Path]:
+        return sorted((self.root / "ckpt").glob("step_*"))
+
+
+class MoCMethod(Method):
+    """``MoCCheckpoint``: snapshots into shared-memory slots, every snapshot persisted with PEC."""
+
+    def __init__(self, name: str, root: Path, every: int, k: tuple[int, int], shm_root: Path) -> None:
+        super().__init__(name, root, every)
+        self.config = CheckpointConfig(
+            k_snapshot=k[0],
+            k_persist=k[1],
+            every_n_train_steps=every,
+            persist_every_n_snapshots=1,
+            storage=StorageConfig(url=(root / "ckpt").as_uri()),
+            shm_root=str(shm_root),
+        )
+        self.checkpoint = MoCCheckpoint(copy.deepcopy(self.config))
+        self.notes = f"k_snapshot={k[0]}, k_persist={k[1]}"
+
+    def callbacks(self) -> list[L.Callback]:
+        return [self.checkpoint]
+
+    def attach(self, trainer: L.Trainer) -> None:
+        """Time the batch-end hook, and the slot copies once ``on_fit_start`` has built the engine."""
+        step = _step_of(trainer)
+        timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, step)
+        build = self.checkpoint.on_fit_start
+
+        def on_fit_start(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            build(trainer, pl_module)
+            timed(self.checkpoint.engine.store, "write", self.probe.snapshot, step)
+
+        self.checkpoint.on_fit_start = on_fit_start
+
+    def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
+        fresh = MoCCheckpoint(copy.deepcopy(self.config))
+        return [fresh], _nothing, fresh.resume_target()
+
+    def stalls(self) -> list[float]:
+        """Starting the snapshot on the batch end, plus waiting for its copy before the next optimizer step."""
+        waits = self.checkpoint.engine.stats.stall_seconds
+        return [start + wait for start, wait in zip(super().stalls(), waits)]
+
+    def checkpoints(self) -> list[Path]:
+        return sorted((self.root / "ckpt").glob("step_*"))
+
+    def expected_bytes(self, trainer: L.Trainer) -> float | None:
+        """Eq. 6 with this run's K (eq. 5 when K = N)."""
+        pec = self.checkpoint.engine.pec
+        return pec.size_model().c_pec(pec.dynamic_k.k_persist)
+
+    def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
+        return self.checkpoint.engine.stats.snapshot_bytes
+
+    def persist_seconds(self) -> list[float]:
+        """Each persist from the start of its DCP save to its commit in the manifest."""
+        return [r.seconds for r in self.checkpoint.engine.stats.persist_reports]
+
+    def release(self) -> None:
+        """The engine's layout views the trained model's weights and optimizer state."""
+        self.checkpoint = None
+
+
+class NvrxMethod(Method):
+    """nvidia-resiliency-ext's ``LocalCheckpointCallback`` + ``HierarchicalCheckpointIO`` (local tier only).
+
+    nvrx's local manager agrees on the newest complete checkpoint with a collective, so the run gets a
+    one-rank gloo process group; its asynchronous path calls ``torch.cuda.synchronize()`` and needs NeMo's
+    async queue, so saves are synchronous here.
+    """
+
+    def __init__(self, name: str, root: Path, every: int) -> None:
+        if NVRX_MISSING:
+            raise MethodUnavailable(NVRX_MISSING)
+        super().__init__(name, root, every)
+        self.checkpoint = LocalCheckpointCallback(every_n_train_steps=every)
+        self.notes = "synchronous local save (nvrx async needs CUDA + NeMo's async queue); 1-rank gloo group"
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        dist.init_process_group("gloo", init_method=(self.root / "pg").as_uri(), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+    def _io(self, trainer: L.Trainer) -> CheckpointIO:
+        manager = LocalCheckpointManager(self.root / "local")
+        timed(manager, "_save", self.probe.persist, _step_of(trainer))
+        return LightningHierarchicalCheckpointIO(TorchCheckpointIO(), manager, _no_global_checkpoint)
+
+    def callbacks(self) -> list[L.Callback]:
+        return [self.checkpoint]
+
+    def attach(self, trainer: L.Trainer) -> None:
+        trainer.strategy.checkpoint_io = self._io(trainer)
+        timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, _step_of(trainer))
+
+    def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
+        def install(trainer: L.Trainer) -> None:
+            trainer.strategy.checkpoint_io = self._io(trainer)
+
+        return [], install, str(self.root / "local")
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(p for p in (self.root / "local").rglob("*") if p.is_file())
+
+
+def _no_global_checkpoint(path: Any) -> int:
+    """The benchmark has no global tier, so a local checkpoint is always the newer one."""
+    return -1
+
+
+def make_method(name: str, root: Path, cfg: BenchConfig, shm_root: Path) -> Method:
+    """The method called ``name``, writing under ``root``."""
+    every, n = cfg.every_n_train_steps, cfg.model.num_experts
+    if name in ("lightning_sync", "lightning_async"):
+        return LightningMethod(name, root, every, asynchronous=name == "lightning_async")
+    if name == "dcp_async":
+        return DCPMethod(name, root, every)
+    if name == "nvrx_local":
+        return NvrxMethod(name, root, every)
+    k = {"moc_full": (n, n), "moc_paper": tuple(scaled_k(v, n) for v in PAPER_K), "moc_k1": (1, 1)}[name]
+    return MoCMethod(name, root, every, k, shm_root / name)
+
+
+def disk_bytes(checkpoint: Path) -> int:
+    """Bytes a checkpoint occupies on disk, framing included (DCP metadata, ``moc.json``, pickles)."""
+    return bytes_written(checkpoint) if checkpoint.is_dir() else checkpoint.stat().st_size
+
+
+def tensor_bytes(checkpoint: Path) -> int:
+    """Bytes of the tensors a checkpoint on disk holds: what eq. 5/6 count, without any file framing.
+
+    Read from a DCP checkpoint's own ``.metadata``, or from a ``torch.save`` file loaded memory-mapped.
+    """
+    if checkpoint.is_dir():
+        metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.values()
+        return sum(
+            math.prod(m.size) * torch.empty((), dtype=m.properties.dtype).element_size()
+            for m in metadata
+            if isinstance(m, TensorStorageMetadata)
+        )
+    loaded = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+    return sum(t.numel() * t.element_size() for t in _tensors_in(loaded))
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors nested anywhere in ``obj`` (dicts, lists, and objects such as nvrx's state dict)."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+    elif hasattr(obj, "__dict__"):
+        yield from _tensors_in(vars(obj))
+
+
+def _step_of(trainer: L.Trainer) -> Callable[[], int]:
+    return lambda: trainer.global_step
+
+
+def _nothing(trainer: L.Trainer) -> None:
+    """No Trainer set-up needed to resume."""
+
+
+def _layout(trainer: L.Trainer) -> Layout:
+    module = trainer.lightning_module
+    return build_layout(module, trainer.optimizers[0], num_experts=module.model_config.num_experts)
+
+
+def _state_tensors(trainer: L.Trainer) -> list[torch.Tensor]:
+    """Every tensor a full checkpoint holds: weights and optimizer state."""
+    optimizer_state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
+    return [*trainer.lightning_module.state_dict().values(), *optimizer_state]
+
+
+def _state_bytes(trainer: L.Trainer) -> int:
+    return sum(t.numel() * t.element_size() for t in _state_tensors(trainer))
+
+
+# ------------------------------------------------------------ speed of light
+def copy_gbps(tensors: list[torch.Tensor], repeats: int = 3) -> float:
+    """Best copy bandwidth of ``tensors`` into one reused, preallocated host buffer (pinned with CUDA).
+
+    This bounds a snapshot: copying the state somewhere training does not touch, with no allocation.
+    """
+    sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+    total = sum(s.numel() for s in sources)
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    targets = buffer.split([s.numel() for s in sources])
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return total / best / GB
+
+
+def write_fsync_gbps(directory: Path, nbytes: int, chunk: int = 64 << 20) -> float:
+    """Sequential ``os.write`` + ``os.fsync`` bandwidth of ``directory``'s storage for ``nbytes``: a persist's bound."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "speed_of_light.bin"
+    block = memoryview(bytearray(os.urandom(min(chunk, nbytes))))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        remaining = nbytes
+        while remaining > 0:
+            remaining -= os.write(fd, block[: min(remaining, len(block))])
+        os.fsync(fd)
+        seconds = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        path.unlink()
+    return nbytes / seconds / GB
+
+
+# ---------------------------------------------------------------- the run
+def _train_config(cfg: BenchConfig, max_steps: int) -> TrainConfig:
+    """One process, one device, no validation: only training and checkpointing take time."""
+    trainer = TrainerConfig(
+        accelerator=cfg.accelerator,
+        devices=1,
+        max_steps=max_steps,
+        val_check_interval=max_steps,
+        limit_val_batches=0,
+        log_every_n_steps=max_steps,
+    )
+    return TrainConfig(model=cfg.model, data=cfg.data, optim=cfg.optim, trainer=trainer, seed=cfg.seed)
+
+
+@dataclass
+class Fit:
+    """A finished ``trainer.fit`` and when it began (before the module was built)."""
+
+    trainer: L.Trainer
+    clock: StepClock
+    started: float
+
+
+def fit(
+    cfg: BenchConfig,
+    run_dir: Path,
+    callbacks: list[L.Callback],
+    setup: Callable[[L.Trainer], None] = _nothing,
+    ckpt_path: str | None = None,
+    resuming: bool = False,
+) -> Fit:
+    """Train from the seed (every run sees the same initial weights and batches), or resume and take one step."""
+    started = time.perf_counter()
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = GPTMoEModule(cfg.model, cfg.optim, seed=cfg.seed)
+    data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
+    clock = StepClock(stop_after_first=resuming)
+    max_steps = cfg.steps + 1 if resuming else cfg.steps  # a resumed run goes one step past the checkpoint
+    trainer = build_trainer(_train_config(cfg, max_steps), run_dir, [*callbacks, clock])
+    setup(trainer)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return Fit(trainer, clock, started)
+
+
+def _mean_ms(values: list[float]) -> float | None:
+    return round(statistics.fmean(values) * 1000, 3) if values else None
+
+
+def _p95_ms(values: list[float]) -> float | None:
+    """Nearest-rank 95th percentile (the maximum below 20 samples)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[math.ceil(0.95 * len(ordered)) - 1] * 1000, 3)
+
+
+def _gbps(nbytes: list[int], seconds: list[float]) -> float | None:
+    """Total bytes over total seconds; ``None`` where the method has no such phase."""
+    return round(sum(nbytes) / sum(seconds) / GB, 4) if seconds and sum(seconds) > 0 else None
+
+
+def _pct(value: float | None, bound: float) -> float | None:
+    return round(100 * value / bound, 1) if value is not None else None
+
+
+def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
+    """The row of one method's run, recovery aside."""
+    stalls = method.stalls()
+    iterations = run.clock.iteration_seconds(cfg.warmup_steps)
+    checkpoints = method.checkpoints()
+    on_disk = round(statistics.fmean(map(disk_bytes, checkpoints))) if checkpoints else None
+    snapshot = _gbps(method.snapshot_bytes(run.trainer), [s for _, s in method.probe.snapshot])
+    persist = _gbps([on_disk or 0] * len(method.persist_seconds()), method.persist_seconds())
+    return Row(
+        name=method.name,
+        checkpoints=len(stalls),
+        stall_ms_mean=_mean_ms(stalls),
+        stall_ms_p95=_p95_ms(stalls),
+        iter_ms_mean=_mean_ms(iterations),
+        iter_ms_median=round(statistics.median(iterations) * 1000, 3),
+        overhead_pct=round(100 * (statistics.fmean(iterations) / base.iteration_s - 1), 2),
+        bytes_per_checkpoint=on_disk,
+        tensor_bytes_per_checkpoint=round(statistics.fmean(map(tensor_bytes, checkpoints))) if checkpoints else None,
+        expected_bytes=round(method.expected_bytes(run.trainer)),
+        snapshot_gbps=snapshot,
+        persist_gbps=persist,
+        snapshot_pct_of_light=_pct(snapshot, base.copy_gbps),
+        persist_pct_of_light=_pct(persist, base.write_fsync_gbps),
+        notes=method.notes,
+    )
+
+
+def recover_seconds(cfg: BenchConfig, method: Method) -> float:
+    """From building a fresh module and Trainer to the start of the first step after restoring."""
+    callbacks, setup, ckpt_path = method.resume()
+    run = fit(cfg, method.root / "resume", callbacks, setup, ckpt_path, resuming=True)
+    return round(run.clock.starts[0] - run.started, 3)
+
+
+def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: Baseline) -> Row:
+    """Train with one method, measure it, resume from its newest checkpoint, and delete what it wrote."""
+    root = work / name
+    shutil.rmtree(root, ignore_errors=True)  # what an interrupted earlier run left must not be measured
+    try:
+        method = make_method(name, root, cfg, shm_root)
+    except MethodUnavailable as why:
+        return Row(name=name, skipped=str(why))
+    with method.session():
+        row = measure(method, fit(cfg, root / "run", method.callbacks(), method.attach), cfg, base)
+        method.release()
+        release_memory()
+        row.recover_seconds = recover_seconds(cfg, method)
+    for path in (root, shm_root / name):
+        shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def run_bench(cfg: BenchConfig, output_dir: Path) -> dict[str, Any]:
+    """The whole benchmark: a no-checkpoint baseline, the speed of light, then every method."""
+    work = Path(cfg.work_dir) if cfg.work_dir else output_dir / "work"
+    with tempfile.TemporaryDirectory(prefix="moc_bench_", dir=cfg.shm_root or _tmpfs()) as shm_root:
+        return _run(cfg, work, Path(shm_root))
+
+
+def _tmpfs() -> str | None:
+    """Where snapshot slots live on a real node: memory, not disk."""
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+def baseline(cfg: BenchConfig, work: Path) -> Baseline:
+    """Train without checkpointing, then measure the speed of light for a state of that size.
+
+    A function of its own so that the baseline's model and optimizer are freed before the methods run.
+    """
+    run = fit(cfg, work / "baseline", [])
+    state_bytes = _state_bytes(run.trainer)
+    base = Baseline(
+        iteration_s=statistics.fmean(run.clock.iteration_seconds(cfg.warmup_steps)),
+        state_bytes=state_bytes,
+        copy_gbps=round(copy_gbps(_state_tensors(run.trainer)), 3),
+        write_fsync_gbps=round(write_fsync_gbps(work, state_bytes), 3),
+    )
+    shutil.rmtree(work / "baseline", ignore_errors=True)
+    return base
+
+
+def release_memory() -> None:
+    """Free the last run's tensors and hand the memory back to the OS.
+
+    glibc keeps freed blocks under its adaptive mmap threshold (up to 32 MiB, the size of many expert
+    tensors) in the heap: without a trim the process keeps about three copies of the state after a few
+    methods, which for GPT-125M-8E exhausts a 24 GiB machine shared with others.
+    """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
+    """The result document (``docs/bench.md`` has its schema)."""
+    base = baseline(cfg, work)
+    rows = []
+    for name in cfg.methods:
+        release_memory()
+        rows.append(asdict(bench_method(name, cfg, work, shm_root, base)))
+    return {
+        "world_size": 1,
+        "devices": 1,
+        "accelerator": cfg.accelerator,
+        "setup": SETUP,
+        "model": asdict(cfg.model),
+        "steps": cfg.steps,
+        "every_n_train_steps": cfg.every_n_train_steps,
+        "k_scaling": K_SCALING,
+        "state_bytes": base.state_bytes,
+        "baseline_iter_ms": round(base.iteration_s * 1000, 3),
+        "speed_of_light": {"copy_gbps": base.copy_gbps, "write_fsync_gbps": base.write_fsync_gbps},
+        "recover_measured": RECOVER_MEASURED,
+        "methods": rows,
+    }
+
+
+TABLE = (
+    ("method", "name"),
+    ("stall ms mean", "stall_ms_mean"),
+    ("stall ms p95", "stall_ms_p95"),
+    ("iter ms", "iter_ms_mean"),
+    ("overhead %", "overhead_pct"),
+    ("bytes/ckpt", "bytes_per_checkpoint"),
+    ("tensor bytes", "tensor_bytes_per_checkpoint"),
+    ("eq. 5/6 bytes", "expected_bytes"),
+    ("snapshot GB/s", "snapshot_gbps"),
+    ("% light", "snapshot_pct_of_light"),
+    ("persist GB/s", "persist_gbps"),
+    ("% light", "persist_pct_of_light"),
+    ("recover s", "recover_seconds"),
+)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The methods as a markdown table, headed by the set-up and the speed of light they are measured against."""
+    sol = result["speed_of_light"]
+    lines = [
+        f"{result['setup']}; {result['steps']} steps, checkpoint every {result['every_n_train_steps']}; "
+        f"state {result['state_bytes'] / 1e6:.1f} MB; no-checkpoint iteration {result['baseline_iter_ms']} ms",
+        f"speed of light: copy into a reused buffer {sol['copy_gbps']} GB/s, "
+        f"write+fsync {sol['write_fsync_gbps']} GB/s",
+        "",
+        "| " + " | ".join(title for title, _ in TABLE) + " |",
+        "|" + "---|" * len(TABLE),
+    ]
+    for row in result["methods"]:
+        if row["skipped"]:
+            lines.append(f"| {row['name']} | skipped: {row['skipped']} |")
+        else:
+            lines.append("| " + " | ".join(_cell(row[key]) for _, key in TABLE) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)

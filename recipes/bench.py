@@ -1,0 +1,34 @@
+"""Benchmark every checkpointing method side by side in one process (see docs/bench.md).
+
+    python recipes/bench.py preset=quick out=/tmp/bench.json
+
+Prints a markdown table and writes the JSON result to ``out`` (default: ``<run output dir>/bench.json``).
+"""
+
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from moc_lightning.bench import BenchConfig, markdown_table, register_configs, run_bench
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    config: BenchConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    result = {"preset": hydra_cfg.runtime.choices.get("preset"), **run_bench(config, output_dir)}
+    out = Path(config.out) if config.out else output_dir / "bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(markdown_table(result))
+    print(f"\nJSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Project checkpointing overhead and ETTR of a long run on a large cluster (MoC-System eq. 3/4).
+
+    python recipes/projection.py [bench=BENCH_JSON] [out=FILE] [days=14] [gpus_sweep=1024,4096,16384]
+                                 [FIELD=VALUE ...]
+
+The scenario defaults to the paper's GPT-350M-16E (Table 1) trained for ``days`` on 1,024 GPUs; every
+``moc_lightning.projection.ClusterScenario`` field can be overridden (``gpus=4096 memory_survival=0.5``).
+With ``bench=`` the per-rank bandwidths are the ones ``recipes/bench.py`` measured on this machine (MoC's
+snapshot copy of ``moc_paper`` and persist of ``moc_full``, else the bench's speed-of-light bounds); without
+it, or when the file is missing, the defaults below. Prints the inputs, one table of eq. 4's terms per
+method, and ETTR against cluster size; ``out`` gets the same as JSON (see docs/analysis.md).
+
+Default assumptions (none of them measured here):
+
+- State: 1.7e9 parameters (Table 1) x 14 bytes (bf16 weights, fp32 master weights and two Adam moments),
+  86% of it in experts (Figure 2: expert weights 12% + expert optimizer state 74%); N=16, K_snapshot=4,
+  K_persist=1 as in the paper's Figure 13.
+- MTBF per GPU: 5.07e4 hours, from Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, section 3.3.4):
+  419 unexpected interruptions in a 54-day period on 16,384 GPUs (54 x 24 x 16,384 / 419 GPU-hours); on 1,024
+  GPUs a fault every ~49 hours. Taken as an assumption, not re-derived from other clusters.
+- Iteration 1.0 s, 60% of it forward/backward that a snapshot can overlap; restart 600 s (requeue, start-up,
+  process groups); device-to-host copy 10 GB/s per rank; storage 0.1 GB/s per rank (a ~100 GB/s parallel
+  file system shared by 1,024 ranks).
+- Intervals: full sync and PEC every 250 iterations (about Young's optimum sqrt(2 * save * MTBF) for the full
+  checkpoint under these defaults), two-level snapshots every 10 and persists every 50 iterations. Every fault
+  loses its node's memory (``memory_survival=0``): the conservative case for two-level recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from moc_lightning.projection import HOUR, ClusterScenario, Projection, project_all
+
+DAY = 24 * HOUR
+PAPER_PARAMS = 1.7e9
+BYTES_PER_PARAM = 14
+LLAMA3_MTBF_GPU_HOURS = 54 * 24 * 16_384 / 419
+DEFAULTS = ClusterScenario(
+    gpus=1024,
+    total_iterations=int(14 * DAY / 1.0),
+    iteration_seconds=1.0,
+    full_bytes=PAPER_PARAMS * BYTES_PER_PARAM,
+    expert_share=0.86,
+    num_experts=16,
+    k_snapshot=4,
+    k_persist=1,
+    mtbf_gpu_hours=LLAMA3_MTBF_GPU_HOURS,
+    snapshot_gbps=10.0,
+    persist_gbps=0.1,
+    restart_seconds=600.0,
+    checkpoint_interval=250,
+    snapshot_interval=10,
+    persist_interval=50,
+    overlap_fraction=0.6,
+    memory_survival=0.0,
+)
+MEASURED = {
+    "snapshot_gbps": ("moc_paper", "snapshot_gbps", "copy_gbps"),
+    "persist_gbps": ("moc_full", "persist_gbps", "write_fsync_gbps"),
+}
+"""Scenario field <- (bench method, its figure, speed-of-light fallback)."""
+
+
+def measured_bandwidths(bench: Mapping[str, Any]) -> dict[str, tuple[float, str]]:
+    """Per-rank bandwidths from a bench result: the MoC method's figure, else the speed-of-light bound."""
+    methods = {row["name"]: row for row in bench.get("methods", [])}
+    found = {}
+    for field, (method, figure, bound) in MEASURED.items():
+        value = methods.get(method, {}).get(figure)
+        if value:
+            found[field] = (float(value), f"bench {method}.{figure}")
+        elif bench.get("speed_of_light", {}).get(bound):
+            found[field] = (float(bench["speed_of_light"][bound]), f"bench speed_of_light.{bound}")
+    return found
+
+
+def build_scenario(args: Mapping[str, str]) -> tuple[ClusterScenario, dict[str, str]]:
+    """Defaults, then bench figures, then ``FIELD=VALUE`` overrides; and where each value came from."""
+    values = dataclasses.asdict(DEFAULTS)
+    sources = dict.fromkeys(values, "default")
+    bench_path = Path(args["bench"]) if "bench" in args else None
+    if bench_path is not None and bench_path.exists():
+        for field, (value, source) in measured_bandwidths(json.loads(bench_path.read_text())).items():
+            values[field], sources[field] = value, source
+    if "days" in args:
+        iteration = float(args.get("iteration_seconds", values["iteration_seconds"]))
+        values["total_iterations"], sources["total_iterations"] = int(float(args["days"]) * DAY / iteration), "days="
+    for field in values.keys() & args.keys():
+        values[field], sources[field] = type(values[field])(args[field]), "argument"
+    return ClusterScenario(**values), sources
+
+
+def projection_table(scenario: ClusterScenario, projections: Sequence[Projection]) -> str:
+    """Markdown: eq. 4's terms per method, in hours over the whole run, and ETTR."""
+    lines = [
+        "| method | stall per save (s) | expected faults | save (h) | restart (h) | lost work (h) | O_ckpt (h) "
+        "| ETTR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in projections:
+        lines.append(
+            f"| {p.method} | {p.stall_per_save:.4f} | {p.expected_faults:.2f} | {p.save_seconds / HOUR:.2f} "
+            f"| {p.restart_seconds / HOUR:.2f} | {p.lost_seconds / HOUR:.2f} | {p.overhead_seconds / HOUR:.2f} "
+            f"| {p.ettr(scenario.useful_seconds):.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def gpu_sweep(scenario: ClusterScenario, counts: Sequence[int]) -> list[dict[str, Any]]:
+    """ETTR of every method as the same run is spread over more GPUs (more faults, fewer bytes per rank)."""
+    rows = []
+    for gpus in counts:
+        scaled = dataclasses.replace(scenario, gpus=gpus)
+        rows.append({"gpus": gpus, **{p.method: p.ettr(scaled.useful_seconds) for p in project_all(scaled)}})
+    return rows
+
+
+def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    methods = [key for key in rows[0] if key != "gpus"]
+    lines = ["| GPUs | " + " | ".join(f"ETTR {m}" for m in methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    lines += [f"| {row['gpus']} | " + " | ".join(f"{row[m]:.4f}" for m in methods) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def as_json(
+    scenario: ClusterScenario,
+    sources: Mapping[str, str],
+    projections: Sequence[Projection],
+    sweep: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The ``out`` file (docs/analysis.md)."""
+    useful = scenario.useful_seconds
+    return {
+        "scenario": dataclasses.asdict(scenario),
+        "sources": dict(sources),
+        "useful_seconds": useful,
+        "cluster_mtbf_seconds": scenario.cluster_mtbf_seconds,
+        "methods": [
+            {**dataclasses.asdict(p), "overhead_seconds": p.overhead_seconds, "ettr": p.ettr(useful)}
+            for p in projections
+        ],
+        "gpu_sweep": list(sweep),
+    }
+
+
+def parse_args(argv: Sequence[str]) -> dict[str, str]:
+    """``key=value`` arguments: ``bench``, ``out``, ``days``, ``gpus_sweep`` and any scenario field."""
+    allowed = {"bench", "out", "days", "gpus_sweep", *(f.name for f in dataclasses.fields(ClusterScenario))}
+    args = {"gpus_sweep": "1024,4096,16384"}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in allowed:
+            raise SystemExit(f"bad argument {arg!r}: expected key=value with key in {sorted(allowed)}")
+        args[key] = value
+    return args
+
+
+def main(argv: Sequence[str]) -> None:
+    args = parse_args(argv)
+    scenario, sources = build_scenario(args)
+    projections = project_all(scenario)
+    sweep = gpu_sweep(scenario, [int(n) for n in args["gpus_sweep"].split(",")])
+    print("# Projection: checkpointing overhead and ETTR (MoC-System eq. 3/4)\n")
+    print("| input | value | source |\n|---|---|---|")
+    print("\n".join(f"| {k} | {v:g} | {sources[k]} |" for k, v in dataclasses.asdict(scenario).items()))
+    print(f"\nUseful training time {scenario.useful_seconds / DAY:.1f} days; cluster MTBF "
+          f"{scenario.cluster_mtbf_seconds / HOUR:.1f} h.\n")
+    print(projection_table(scenario, projections))
+    print("\n## ETTR against cluster size (same run, same per-GPU MTBF)\n")
+    print(sweep_table(sweep))
+    if "out" in args:
+        Path(args["out"]).write_text(json.dumps(as_json(scenario, sources, projections, sweep), indent=1))
+        print(f"\nJSON: {args['out']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

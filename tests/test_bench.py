@@ -1,0 +1,81 @@
+"""The benchmark recipe: every method in one run, its JSON schema, and bytes that agree with eq. 5/6.
+
+Only sizes are asserted: durations on a shared 2-core machine are too noisy to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moc_lightning.bench import METHODS, BenchConfig, disk_bytes, scaled_k, tensor_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
+           "recover_seconds")
+ROW_KEYS = {"name", "skipped", "stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint",
+            "tensor_bytes_per_checkpoint", "expected_bytes", "snapshot_gbps", "persist_gbps", "recover_seconds"}
+
+
+def test_paper_k_scales_with_the_number_of_experts() -> None:
+    assert (scaled_k(4, 16), scaled_k(1, 16)) == (4, 1)
+    assert (scaled_k(4, 8), scaled_k(1, 8)) == (2, 1)
+    assert (scaled_k(4, 64), scaled_k(1, 64)) == (16, 4)
+
+
+def test_config_rejects_unknown_methods() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        BenchConfig(methods=["lightning_sync", "deepspeed"])
+
+
+def test_tensor_bytes_reads_dcp_metadata_and_torch_save_files(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(100, 10), "m": torch.zeros(7, dtype=torch.float64)}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp")
+    torch.save({"nested": [state]}, tmp_path / "file.ckpt")
+    for checkpoint in (tmp_path / "dcp", tmp_path / "file.ckpt"):
+        assert tensor_bytes(checkpoint) == 100 * 10 * 4 + 7 * 8
+        assert disk_bytes(checkpoint) > tensor_bytes(checkpoint), "files add framing"
+
+
+@pytest.mark.slow
+def test_quick_preset_reports_every_method(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        "recipes/bench.py",
+        "preset=quick",
+        f"out={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"shm_root={tmp_path}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| method |" in proc.stdout
+    result = json.loads(out.read_text())
+
+    assert (result["world_size"], result["devices"]) == (1, 1)
+    assert set(result["speed_of_light"]) >= {"copy_gbps", "write_fsync_gbps"}
+    assert all(v > 0 for v in result["speed_of_light"].values())
+    rows = {row["name"]: row for row in result["methods"]}
+    assert list(rows) == list(METHODS)
+    for name, row in rows.items():
+        assert ROW_KEYS <= set(row), f"{name} lacks {ROW_KEYS - set(row)}"
+        if row["skipped"] is not None:
+            assert isinstance(row["skipped"], str) and row["skipped"], name
+            continue
+        for key in NUMBERS:
+            assert isinstance(row[key], (int, float)), f"{name}.{key} = {row[key]!r}"
+        assert row["bytes_per_checkpoint"] >= row["tensor_bytes_per_checkpoint"] > 0, name
+
+    moc = {name: rows[name] for name in ("moc_full", "moc_paper", "moc_k1")}
+    assert all(row["skipped"] is None for row in moc.values())
+    assert moc["moc_k1"]["bytes_per_checkpoint"] < moc["moc_full"]["bytes_per_checkpoint"], "PEC writes less"
+    for name, row in moc.items():
+        # eq. 5/6 count tensor bytes; the files add DCP's per-item framing, .metadata and moc.json on top.
+        assert row["expected_bytes"] == pytest.approx(row["tensor_bytes_per_checkpoint"], rel=0.05), name
