@@ -40,6 +40,7 @@ from moc_lightning.manifest import Manifest
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.snapshot import SlotMeta, SnapshotStore
+from moc_lightning.storage import find_cause
 from moc_lightning.units import ExpertUnit, Unit, parse_unit
 
 
@@ -231,7 +232,9 @@ class TwoLevelCheckpointer:
             self.pec.prune_ledger(in_memory=[m.step for m in self.store.committed()])
         else:
             self.stats.failed_persists += 1
-            print(f"[moc_lightning] rank {self.rank}: persist failed ({error!r}); retrying at the next persist")
+            cause = find_cause(error, OSError) or error
+            print(f"[moc_lightning] rank {self.rank}: persist failed ({cause}); nothing was committed, "
+                  "training goes on and the next persist tries again")
         self._persist = None
         self._persisting_slot = None
 

@@ -18,7 +18,7 @@ from typing import Protocol
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 from moc_lightning.storage.filesystem import FilesystemStorage
-from moc_lightning.storage.integrity import CorruptCheckpointError, corrupt_from
+from moc_lightning.storage.integrity import CorruptCheckpointError, corrupt_from, find_cause
 from moc_lightning.storage.tensorstore import TensorStoreStorage
 
 
@@ -57,7 +57,7 @@ class CheckpointStorage(Protocol):
         ...
 
 
-__all__ = ["BACKENDS", "CheckpointStorage", "CorruptCheckpointError", "corrupt_from", "make_storage"]
+__all__ = ["BACKENDS", "CheckpointStorage", "CorruptCheckpointError", "corrupt_from", "find_cause", "make_storage"]
 
 
 def make_storage(backend: str, url: str) -> CheckpointStorage:
