@@ -14,7 +14,7 @@ expert processed after ``s`` (the earlier loss was already counted).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -46,6 +46,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from moc_lightning.cli import parse_key_values
 from moc_lightning.bench import PAPER_K, scaled_k
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, StorageConfig
@@ -361,15 +362,8 @@ def _mean(values: Iterable[float]) -> float | None:
 def parse_settings(argv: Sequence[str]) -> StudySettings:
     """``key=value`` arguments, one per :class:`StudySettings` field, typed like the field's default."""
     types = {f.name: (str if f.name in ("out", "configs") else int) for f in fields(StudySettings)}
-    values: dict[str, Any] = {}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in types:
-            raise SystemExit(f"bad argument {arg!r}: expected key=value with key in {sorted(types)}")
-        values[key] = types[key](value)
-    if "out" not in values:
-        raise SystemExit("missing out=FILE")
-    return StudySettings(**values)
+    values = parse_key_values(argv, types, required=["out"])
+    return StudySettings(**{key: types[key](value) for key, value in values.items()})
 
 
 def main(argv: Sequence[str]) -> None:

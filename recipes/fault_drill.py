@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moc_lightning.cli import parse_key_values
+
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 5
 SCENARIOS = {
@@ -32,10 +34,7 @@ SCENARIOS = {
 
 
 def parse(argv: list[str]) -> dict[str, str]:
-    args = dict(arg.split("=", 1) for arg in argv)
-    unknown = set(args) - {"scenario", "out", "steps", "step"}
-    if unknown or "scenario" not in args or "out" not in args:
-        raise SystemExit(f"usage: fault_drill.py scenario={{{','.join(SCENARIOS)}}} out=FILE [steps=N] [step=S]")
+    args = parse_key_values(argv, {"scenario", "out", "steps", "step"}, required=["scenario", "out"])
     if args["scenario"] not in SCENARIOS:
         raise SystemExit(f"scenario={args['scenario']!r} is not one of {', '.join(SCENARIOS)}")
     return args

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from moc_lightning.cli import parse_key_values
 from moc_lightning.projection import HOUR, ClusterScenario, Projection, project_all
 
 DAY = 24 * HOUR
@@ -152,13 +153,7 @@ def as_json(
 def parse_args(argv: Sequence[str]) -> dict[str, str]:
     """``key=value`` arguments: ``bench``, ``out``, ``days``, ``gpus_sweep`` and any scenario field."""
     allowed = {"bench", "out", "days", "gpus_sweep", *(f.name for f in dataclasses.fields(ClusterScenario))}
-    args = {"gpus_sweep": "1024,4096,16384"}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in allowed:
-            raise SystemExit(f"bad argument {arg!r}: expected key=value with key in {sorted(allowed)}")
-        args[key] = value
-    return args
+    return parse_key_values(argv, allowed, defaults={"gpus_sweep": "1024,4096,16384"})
 
 
 def main(argv: Sequence[str]) -> None:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moc_lightning.selection import SequentialSelection
+from moc_lightning.cli import parse_key_values
 from moc_lightning.sharding import STRATEGIES, Ownership, ShardingUnit, Topology, compute_ownership
 from moc_lightning.units import DenseUnit, ExpertUnit
 
@@ -253,15 +254,7 @@ def as_json(row: Row) -> dict[str, object]:
 
 def parse_args(argv: Sequence[str]) -> dict[str, str]:
     """``key=value`` arguments: ``out`` (required) and ``plan_ranks`` (comma-separated rank counts)."""
-    allowed = {"out", "plan_ranks"}
-    args = {"plan_ranks": "1024,8192"}
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in allowed:
-            raise SystemExit(f"bad argument {arg!r}: expected key=value with key in {sorted(allowed)}")
-        args[key] = value
-    if "out" not in args:
-        raise SystemExit("missing out=FILE")
+    args = parse_key_values(argv, {"out", "plan_ranks"}, defaults={"plan_ranks": "1024,8192"}, required=["out"])
     return args
 
 
