@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer import call as _call
 
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.config import CheckpointConfig
@@ -165,7 +166,7 @@ class MoCCheckpoint(Checkpoint):
         step = trainer.global_step
         if step != self._last_step and step % self.config.every_n_train_steps == 0:
             self._last_step = step
-            engine.snapshot(step, _trainer_state(trainer))
+            engine.snapshot(step, _trainer_state(trainer, self.state_key))
         engine.faults.at("train", step)
 
     def on_before_optimizer_step(
@@ -293,14 +294,32 @@ class _MoCCheckpointIO(CheckpointIO):
         self.delegate.teardown()
 
 
-def _trainer_state(trainer: L.Trainer) -> dict[str, Any]:
-    """Lightning's checkpoint of this step without the tensors MoC saves itself (weights, optimizer state)."""
-    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    checkpoint.pop("state_dict", None)
-    optimizers = checkpoint.get("optimizer_states", [])
-    checkpoint["optimizer_states"] = [{"param_groups": state["param_groups"]} for state in optimizers]
-    checkpoint["moc_rng"] = _collect_rng_states(include_cuda=torch.cuda.is_available())
-    return checkpoint
+def _trainer_state(trainer: L.Trainer, own_key: str) -> dict[str, Any]:
+    """What Lightning restores besides tensors (loops, schedulers, optimizer hyperparameters, other
+    callbacks, RNG), captured cheaply on the training thread: ``dump_checkpoint`` would also walk the model
+    and optimizer state, which MoC saves itself, and the snapshot step would stall for it."""
+    callbacks = _call._call_callbacks_state_dict(trainer)
+    callbacks.pop(own_key, None)  # the engine's own state travels separately, as of the resume step
+    return {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": L.__version__,
+        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+        "callbacks": callbacks,
+        "optimizer_states": [{"param_groups": _param_groups(optimizer)} for optimizer in trainer.optimizers],
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "moc_rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
+    }
+
+
+def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """``optimizer.state_dict()["param_groups"]`` without building the per-parameter state."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
+        start += count
+    return groups
 
 
 def _fresh_optimizer(module: L.LightningModule) -> torch.optim.Optimizer:

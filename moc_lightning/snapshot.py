@@ -92,6 +92,8 @@ class SnapshotStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._buffers: dict[int, torch.Tensor] = {}
+        self._steps: dict[int, int] | None = None
+        """Step of each complete slot as this process last wrote or read it (saves a disk scan per snapshot)."""
 
     def slot_dir(self, slot: int) -> Path:
         return self.root / f"slot{slot}"
@@ -114,7 +116,7 @@ class SnapshotStore:
 
         ``busy`` holds the slot being persisted and the newest persisted one (the recovery buffer).
         """
-        complete = {m.slot: m.step for m in self.committed()}
+        complete = self._known_steps()
         free = [s for s in range(NUM_SLOTS) if s not in complete and s not in busy]
         if free:
             return free[0]
@@ -123,11 +125,21 @@ class SnapshotStore:
             raise RuntimeError(f"no snapshot slot free: busy={sorted(busy)} of {NUM_SLOTS}")
         return candidates[0][1]
 
+    def _known_steps(self) -> dict[int, int]:
+        if self._steps is None:
+            self._steps = {m.slot: m.step for m in self.committed()}
+        return self._steps
+
+    def invalidate(self, slot: int) -> None:
+        """Make ``slot`` incomplete: its ``meta.json`` goes first, so no reader can see it half-rewritten."""
+        (self.slot_dir(slot) / "meta.json").unlink(missing_ok=True)
+        self._known_steps().pop(slot, None)
+
     def begin(self, slot: int, nbytes: int) -> torch.Tensor:
         """Invalidate ``slot`` and return its byte buffer (at least ``nbytes``), reusing the mapping."""
         directory = self.slot_dir(slot)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "meta.json").unlink(missing_ok=True)
+        self.invalidate(slot)
         buffer = self._buffers.get(slot)
         if buffer is None or buffer.numel() < nbytes:
             size = max(nbytes, ALIGN)
@@ -145,6 +157,7 @@ class SnapshotStore:
         tmp = directory / "meta.json.tmp"
         tmp.write_bytes(meta.to_json())
         os.replace(tmp, directory / "meta.json")
+        self._known_steps()[meta.slot] = meta.step
 
     def write(
         self,
@@ -189,6 +202,7 @@ class SnapshotStore:
     def clear(self) -> None:
         """Remove every slot of this rank (a fresh start)."""
         self._buffers.clear()
+        self._steps = {}
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True, exist_ok=True)
 

@@ -111,6 +111,7 @@ class TwoLevelCheckpointer:
         self._persist: Future[SaveReport] | None = None
         self._persisting_slot: int | None = None
         self._recovery_slot: int | None = None
+        self._owner_cache: dict[tuple[str, ...], dict[str, int]] = {}
 
     @property
     def rank(self) -> int:
@@ -134,7 +135,7 @@ class TwoLevelCheckpointer:
         owners = self._owners(units)
         mine = [u for u in units if owners[u.key] == self.rank]
         tensors = pec.layout.tensors(mine)
-        extra = {"engine": pec.state_dict(), "owners": owners, "trainer": encode_state(trainer_state)}
+        extra = {"engine": pec.state_dict(), "owners": owners}
         slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
         persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
         half = len(tensors) // 2
@@ -148,14 +149,21 @@ class TwoLevelCheckpointer:
             ready = torch.cuda.Event()
             ready.record()  # the values are final once the training stream reaches this point
         future = self._copier.submit(
-            self._timed_write, slot, step, tuple(u.key for u in mine), tensors, extra, hook, ready
+            self._timed_write, slot, step, tuple(u.key for u in mine), tensors, extra, trainer_state, hook, ready
         )
         self._snapshot = (future, persist_units)
 
-    def _timed_write(self, *args: Any) -> tuple[SlotMeta, float]:
-        """The slot write and its own duration (the copy, not the time until someone waited for it)."""
+    def _timed_write(
+        self, slot: int, step: int, units: tuple[str, ...], tensors: Mapping[str, torch.Tensor],
+        extra: dict[str, Any], trainer_state: Mapping[str, Any] | None, *args: Any,
+    ) -> tuple[SlotMeta, float]:
+        """The slot write and its own duration (the copy, not the time until someone waited for it).
+
+        The trainer state is serialised here, off the training thread: it is a fresh dict of plain values.
+        """
         start = time.perf_counter()
-        meta = self.store.write(*args)
+        extra["trainer"] = encode_state(trainer_state)
+        meta = self.store.write(slot, step, units, tensors, extra, *args)
         return meta, time.perf_counter() - start
 
     def wait_snapshot(self) -> float:
@@ -184,7 +192,16 @@ class TwoLevelCheckpointer:
         return bool(free.item())
 
     def _owners(self, units: Sequence[Unit]) -> dict[str, int]:
-        """Which rank snapshots each unit (whole): pure, so every rank computes the same map."""
+        """Which rank snapshots each unit (whole): pure, so every rank computes the same map.
+
+        Cached per unit set: the sequential selection repeats every ceil(N/K) snapshots.
+        """
+        key = tuple(u.key for u in units)
+        if key not in self._owner_cache:
+            self._owner_cache[key] = self._plan_owners(units)
+        return self._owner_cache[key]
+
+    def _plan_owners(self, units: Sequence[Unit]) -> dict[str, int]:
         pec = self.pec
         world, ep = pec.topology.world_size, pec.topology.ep
         sharding_units = []
@@ -339,7 +356,7 @@ class TwoLevelCheckpointer:
         """Snapshots newer than the resume step belong to a timeline that no longer exists."""
         for meta in metas:
             if meta.step > step:
-                (self.store.slot_dir(meta.slot) / "meta.json").unlink(missing_ok=True)
+                self.store.invalidate(meta.slot)
         if dist.is_initialized():
             dist.barrier()
 
