@@ -11,6 +11,10 @@ on the shipped byte corpus, on one CPU process, under these configurations:
   ``k = max(1, round(k * N / 16))`` (N=8: 2 and 1); the snapshots in memory survive (a process crash);
 - ``dynamic_k``: ``pec_k1_persist_only`` with Dynamic-K (K doubles before accumulated PLT passes 3.75%).
 
+With ``sweep=1`` it also runs storage-only PEC (``K_snapshot = K_persist = K``) for every K in ``SWEEP_K`` and
+snapshot interval in ``SWEEP_INTERVALS`` (the same faults, moved off that interval's snapshot steps): PLT
+against K and checkpoint interval. Keep ``steps`` small; it is six more runs per seed.
+
 A fault stops the Trainer at step ``j * fault_every + fault_offset`` (moved one step later if that is a
 snapshot step, so the fault always falls between snapshots), drops everything in process (module, Trainer,
 callback) and resumes a new Trainer through ``trainer.fit(..., ckpt_path=moc.resume_target())`` up to the
@@ -24,7 +28,7 @@ observed at every step and the sources of every recovery (:class:`LostTokenAudit
 
 Usage: ``python recipes/accuracy_study.py out=FILE [seeds=1] [steps=300] [fault_every=40] [fault_offset=3]
 [every_n_train_steps=10] [persist_every_n_snapshots=2] [val_batches=20] [batch_size=16] [threads=1]
-[configs=no_faults,full,...]``. Prints a markdown table; writes JSON (see docs/analysis.md).
+[configs=no_faults,full,...] [sweep=0]``. Prints a markdown table; writes JSON (see docs/analysis.md).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,10 @@ MODEL = GPTMoEConfig()
 """``conf/model/tiny.yaml``."""
 K_SCALING = "k = max(1, round(k_paper * N / 16)) from the paper's k_snapshot=4, k_persist=1 at N=16"
 PLT_TOLERANCE = 1e-9
+SWEEP_K = (1, 2, 4)
+"""Experts per MoE layer (of N=8) in each checkpoint of the sweep."""
+SWEEP_INTERVALS = (5, 10)
+"""Snapshot intervals (``every_n_train_steps``) of the sweep."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,8 @@ class StudySettings:
     """Torch intra-op threads (the machine is shared)."""
     configs: str = "no_faults,full,pec_k1_persist_only,two_level,dynamic_k"
     """Comma-separated configurations to run."""
+    sweep: int = 0
+    """1: also sweep storage-only PEC over ``SWEEP_K`` x ``SWEEP_INTERVALS`` (see :func:`sweep`)."""
 
     def __post_init__(self) -> None:
         for name in ("seeds", "steps", "fault_every", "every_n_train_steps", "persist_every_n_snapshots",
@@ -96,6 +106,8 @@ class StudySettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.fault_offset < 0:
             raise ValueError(f"fault_offset must be >= 0, got {self.fault_offset}")
+        if self.sweep not in (0, 1):
+            raise ValueError(f"sweep must be 0 or 1, got {self.sweep}")
         unknown = sorted(set(self.config_names) - set(configurations(MODEL.num_experts)))
         if unknown:
             raise ValueError(f"configs {unknown} are unknown; choose among {list(configurations(MODEL.num_experts))}")
@@ -302,6 +314,20 @@ def run(config: Configuration, settings: StudySettings, seed: int) -> dict[str, 
     }
 
 
+def sweep(settings: StudySettings) -> Iterator[dict[str, Any]]:
+    """Storage-only PEC for every K in ``SWEEP_K`` and snapshot interval in ``SWEEP_INTERVALS``, every seed.
+
+    Each row is a :func:`run` row plus ``k``, ``every_n_train_steps`` and the run's ``fault_steps``.
+    """
+    for k in SWEEP_K:
+        for interval in SWEEP_INTERVALS:
+            config = Configuration(f"pec_k{k}_every{interval}", k, k)
+            varied = replace(settings, every_n_train_steps=interval)
+            for seed in range(settings.seeds):
+                row = run(config, varied, seed)
+                yield {**row, "k": k, "every_n_train_steps": interval, "fault_steps": varied.fault_steps()}
+
+
 def _recovery_summary(moc: MoCCheckpoint) -> dict[str, Any]:
     report = moc.recovery
     return {
@@ -340,6 +366,23 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per (K, snapshot interval) of the sweep, means over seeds."""
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["k"], row["every_n_train_steps"]), []).append(row)
+    lines = [
+        "| K (snapshot = persist) | every_n_train_steps | seeds | faults | accumulated PLT | val loss (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (k, interval), group in groups.items():
+        lines.append(
+            f"| {k} | {interval} | {len(group)} | {_mean(r['faults'] for r in group):g} "
+            f"| {_mean(r['plt'] for r in group):.3%} | {_mean(r['val_loss'] for r in group):.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def _paired_delta(rows: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]]) -> str:
     """``val_loss - reference val_loss`` per shared seed: mean and range; ``n/a`` without a shared seed.
 
@@ -366,19 +409,23 @@ def parse_settings(argv: Sequence[str]) -> StudySettings:
     return StudySettings(**{key: types[key](value) for key, value in values.items()})
 
 
+def progress(row: dict[str, Any]) -> dict[str, Any]:
+    """Print one finished run and pass it on."""
+    print(f"[accuracy_study] {row['config']} seed {row['seed']}: PLT {row['plt']:.3%}, {row['faults']} faults, "
+          f"val loss {row['val_loss']:.4f} ({row['seconds']:.0f} s)", flush=True)
+    return row
+
+
 def main(argv: Sequence[str]) -> None:
     settings = parse_settings(argv)
     torch.set_num_threads(settings.threads)
     table = configurations(MODEL.num_experts)
     started = time.perf_counter()
-    runs = []
-    for name in settings.config_names:
-        for seed in range(settings.seeds):
-            row = run(table[name], settings, seed)
-            runs.append(row)
-            print(f"[accuracy_study] {name} seed {seed}: PLT {row['plt']:.3%}, {row['faults']} faults, "
-                  f"val loss {row['val_loss']:.4f} ({row['seconds']:.0f} s)", flush=True)
-    mismatched = [r for r in runs if abs(r["plt"] - r["plt_recomputed"]) > PLT_TOLERANCE]
+    runs = [
+        progress(run(table[name], settings, seed)) for name in settings.config_names for seed in range(settings.seeds)
+    ]
+    swept = [progress(row) for row in sweep(settings)] if settings.sweep else []
+    mismatched = [r for r in runs + swept if abs(r["plt"] - r["plt_recomputed"]) > PLT_TOLERANCE]
     result = {
         "settings": {**asdict(settings), "fault_steps": settings.fault_steps(), "model": asdict(MODEL)},
         "configurations": {name: asdict(table[name]) for name in settings.config_names},
@@ -386,10 +433,13 @@ def main(argv: Sequence[str]) -> None:
         "plt_matches_recomputed": not mismatched,
         "wall_seconds": time.perf_counter() - started,
         "runs": runs,
+        "sweep": swept,
     }
     Path(settings.out).write_text(json.dumps(result, indent=1))
     print(f"\n# Accuracy study: tiny GPT-MoE, {settings.steps} steps, faults at {settings.fault_steps()}\n")
     print(summary_table(runs))
+    if swept:
+        print(f"\n## Sweep: storage-only PEC, K x snapshot interval\n\n{sweep_table(swept)}")
     print(f"\nledger PLT == recomputed PLT for every run: {not mismatched}; "
           f"wall time {result['wall_seconds']:.0f} s; JSON: {settings.out}")
     if mismatched:

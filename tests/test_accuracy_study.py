@@ -36,3 +36,24 @@ def test_tiny_study_writes_the_schema_and_measures_plt(tmp_path: Path) -> None:
     assert pec["plt"] > 0 and pec["faults"] == 3
     assert pec["final_k"] == {"snapshot": 1, "persist": 1}
     assert all(set(r["sources"]) <= {"storage", "none"} for r in pec["recoveries"]), "memory was cleared"
+
+
+@pytest.mark.slow
+def test_sweep_runs_storage_only_pec_over_k_and_interval(tmp_path: Path) -> None:
+    out = tmp_path / "study.json"
+    command = [
+        sys.executable, str(ROOT / "recipes/accuracy_study.py"), f"out={out}", "steps=24", "fault_every=10",
+        "fault_offset=0", "persist_every_n_snapshots=1", "val_batches=1", "configs=", "sweep=1",
+    ]  # fmt: skip
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+
+    assert result["runs"] == [] and result["plt_matches_recomputed"] is True
+    rows = {(row["k"], row["every_n_train_steps"]): row for row in result["sweep"]}
+    assert set(rows) == {(k, n) for k in (1, 2, 4) for n in (5, 10)}
+    assert all(row["fault_steps"] == [11, 21] for row in rows.values())  # 10 and 20 are snapshot steps: one later
+    for (k, interval), row in rows.items():
+        assert set(row) == RUN_KEYS | {"k", "every_n_train_steps", "fault_steps"}
+        assert row["config"] == f"pec_k{k}_every{interval}" and row["final_k"] == {"snapshot": k, "persist": k}
+        assert row["faults"] == 2 and all(set(r["sources"]) <= {"storage", "none"} for r in row["recoveries"])
+        assert row["plt"] == pytest.approx(row["plt_recomputed"], abs=1e-9)

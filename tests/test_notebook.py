@@ -1,0 +1,62 @@
+"""notebooks/moc_analysis.ipynb: valid nbformat 4, and its code cells, run in order as one script on the quick
+outputs of the recipes, write every figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks/moc_analysis.ipynb"
+FIGURES = ("checkpoint_size_vs_k", "stall_and_overhead", "speed_of_light", "plt_vs_k_and_interval",
+           "val_loss_per_method", "ettr_vs_mtbf")  # fmt: skip
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def load_notebook() -> dict:
+    return json.loads(NOTEBOOK.read_text())
+
+
+def test_notebook_is_nbformat_4_without_outputs() -> None:
+    notebook = load_notebook()
+    assert (notebook["nbformat"], notebook["nbformat_minor"]) == (4, 5)
+    assert notebook["metadata"]["kernelspec"]["language"] == "python"
+    kinds = [cell["cell_type"] for cell in notebook["cells"]]
+    assert set(kinds) == {"markdown", "code"}
+    ids = [cell["id"] for cell in notebook["cells"]]
+    assert len(set(ids)) == len(ids), "nbformat 4.5 needs a unique id per cell"
+    for cell in notebook["cells"]:
+        assert isinstance(cell["metadata"], dict) and all(isinstance(line, str) for line in cell["source"])
+        if cell["cell_type"] == "code":
+            assert cell["execution_count"] is None and cell["outputs"] == []
+            compile("".join(cell["source"]), str(NOTEBOOK), "exec")
+
+
+def recipe(*args: str) -> None:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_notebook_plots_every_figure_from_the_quick_outputs(tmp_path: Path) -> None:
+    recipe("recipes/bench.py", "preset=quick", f"out={tmp_path / 'bench.json'}", f"hydra.run.dir={tmp_path / 'run'}",
+           f"shm_root={tmp_path}")  # fmt: skip
+    recipe("recipes/accuracy_study.py", f"out={tmp_path / 'accuracy.json'}", "steps=24", "fault_every=10",
+           "val_batches=2", "sweep=1")  # fmt: skip
+    recipe("recipes/sharding_report.py", f"out={tmp_path / 'sharding.json'}", "plan_ranks=64")
+    script = tmp_path / "moc_analysis.py"
+    cells = [cell for cell in load_notebook()["cells"] if cell["cell_type"] == "code"]
+    script.write_text("\n\n".join("".join(cell["source"]) for cell in cells))
+
+    env = {**os.environ, "MOC_ANALYSIS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in FIGURES:
+        png = tmp_path / "figures" / f"{name}.png"
+        assert png.stat().st_size > 0 and png.read_bytes().startswith(PNG_SIGNATURE), png
