@@ -222,6 +222,9 @@ class TwoLevelCheckpointer:
 
     # ---------------------------------------------------------------- persist
     def _start_persist(self, meta: SlotMeta, units: tuple[Unit, ...]) -> None:
+        # The ranks agreed the previous persist was done, but it may have finished after the last reap:
+        # account it now, or its result (and its slot becoming the recovery buffer) would be lost.
+        self._reap_persist()
         self._persisting_slot = meta.slot
         self._persist = self._persister.submit(self._persist_slot, meta, units)
 
