@@ -43,6 +43,7 @@ from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.storage import make_storage
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
+from moc_lightning.units import ExpertUnit
 
 
 class MoCCheckpoint(Checkpoint):
@@ -71,7 +72,7 @@ class MoCCheckpoint(Checkpoint):
         storage = make_storage(self.config.storage.backend, self.config.storage.url)
         rank = _env_rank()
         slots = self._slot_root(rank)
-        has_slots = slots.exists() and any(p.name == "meta.json" for p in slots.rglob("meta.json"))
+        has_slots = slots.exists() and any(slots.rglob("meta.json"))
         return self.config.storage.url if storage.get(MANIFEST) is not None or has_slots else None
 
     def _default_url(self, default_root_dir: str | Path | None) -> None:
@@ -247,10 +248,7 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Pa
         )
     layout, topology = pec.layout, pec.topology
     dense = sum(pec._unit_nbytes(u) for u in layout.dense_units)
-    per_expert = [
-        pec._unit_nbytes(next(u for u in layout.expert_units if u.layer == layer))
-        for layer in range(len(layout.num_experts))
-    ]
+    per_expert = [pec._unit_nbytes(ExpertUnit(layer, 0)) for layer in range(len(layout.num_experts))]
     per_slot = 1.5 * (dense + pec.dynamic_k.k_snapshot * sum(per_expert)) / topology.world_size
     local_ranks = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = int(NUM_SLOTS * per_slot * local_ranks)
