@@ -294,6 +294,10 @@ class Method(abc.ABC):
         """Bytes of each timed copy into memory: full-state methods copy all of the state."""
         return [_state_bytes(trainer)] * len(self.probe.snapshot)
 
+    def snapshot_seconds(self) -> list[float]:
+        """Duration of each timed copy into memory."""
+        return [s for _, s in self.probe.snapshot]
+
     def persist_seconds(self) -> list[float]:
         """Duration of each write to storage."""
         return [s for _, s in self.probe.persist]
@@ -422,24 +426,16 @@ class MoCMethod(Method):
         return [self.checkpoint]
 
     def attach(self, trainer: L.Trainer) -> None:
-        """Time the batch-end hook, and the slot copies once ``on_fit_start`` has built the engine."""
-        step = _step_of(trainer)
-        timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, step)
-        build = self.checkpoint.on_fit_start
-
-        def on_fit_start(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            build(trainer, pl_module)
-            timed(self.checkpoint.engine.store, "write", self.probe.snapshot, step)
-
-        self.checkpoint.on_fit_start = on_fit_start
+        """Time the batch-end hook (it selects and, for host tensors, copies)."""
+        timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, _step_of(trainer))
 
     def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
         fresh = MoCCheckpoint(copy.deepcopy(self.config))
         return [fresh], _nothing, fresh.resume_target()
 
     def stalls(self) -> list[float]:
-        """Starting the snapshot on the batch end, plus waiting for its copy before the next optimizer step."""
-        waits = self.checkpoint.engine.stats.stall_seconds
+        """The batch-end hook (selection and copy), plus waiting for the commit before the next optimizer step."""
+        waits = self.checkpoint.engine.stats.wait_seconds
         return [start + wait for start, wait in zip(super().stalls(), waits)]
 
     def checkpoints(self) -> list[Path]:
@@ -452,6 +448,11 @@ class MoCMethod(Method):
 
     def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
         return self.checkpoint.engine.stats.snapshot_bytes
+
+    def snapshot_seconds(self) -> list[float]:
+        """Each copy into a slot, like the other methods' copies into memory (the commit of the slot's metadata
+        that follows on the background thread is not part of it)."""
+        return self.checkpoint.engine.stats.copy_seconds
 
     def persist_seconds(self) -> list[float]:
         """Each persist from the start of its DCP save to its commit in the manifest."""
@@ -695,7 +696,7 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
     iterations = run.clock.iteration_seconds(cfg.warmup_steps)
     checkpoints = method.checkpoints()
     on_disk = round(statistics.fmean(map(disk_bytes, checkpoints))) if checkpoints else None
-    snapshot = _gbps(method.snapshot_bytes(run.trainer), [s for _, s in method.probe.snapshot])
+    snapshot = _gbps(method.snapshot_bytes(run.trainer), method.snapshot_seconds())
     persist = _gbps([on_disk or 0] * len(method.persist_seconds()), method.persist_seconds())
     return Row(
         name=method.name,

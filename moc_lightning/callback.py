@@ -6,9 +6,9 @@ Add it to a Trainer and resume through Lightning's usual door::
     trainer = L.Trainer(callbacks=[moc], ...)
     trainer.fit(model, ckpt_path=moc.resume_target())   # None on a fresh start
 
-Every ``every_n_train_steps`` steps the train-batch end starts an in-memory snapshot (copied on a
-background thread while the next forward/backward runs); the next optimizer step waits for it only if it is
-not done. Every ``persist_every_n_snapshots`` snapshots one is persisted to storage in the background.
+Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (host tensors are copied
+there and then; GPU tensors on a side stream while the next forward/backward runs) and a background thread
+commits it; the next optimizer step waits only for what is not done. Every ``persist_every_n_snapshots`` snapshots one is persisted to storage in the background.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from
 surviving snapshots (this rank's or a peer's) or storage, and Lightning's loops, optimizer, schedulers and
 RNG from the state captured with the resume step.
@@ -43,7 +43,6 @@ from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.storage import make_storage
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
-from moc_lightning.units import ExpertUnit
 
 
 class MoCCheckpoint(Checkpoint):
@@ -58,6 +57,7 @@ class MoCCheckpoint(Checkpoint):
         self._trainer: L.Trainer | None = None
         self._module: L.LightningModule | None = None
         self._last_step = -1
+        self._slots_sized = False
         self._restored_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ resuming
@@ -157,6 +157,7 @@ class MoCCheckpoint(Checkpoint):
         if self.recovery is None and self.config.resume == "never":
             self.engine.store.clear()
         self._last_step = trainer.global_step
+        self._slots_sized = False
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -165,6 +166,9 @@ class MoCCheckpoint(Checkpoint):
         if hasattr(pl_module, "moe_layers"):
             engine.pec.record_tokens(pl_module.moe_layers())
         step = trainer.global_step
+        if not self._slots_sized:
+            engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
+            self._slots_sized = True
         if step != self._last_step and step % self.config.every_n_train_steps == 0:
             self._last_step = step
             engine.snapshot(step, _trainer_state(trainer, self.state_key))
@@ -175,11 +179,12 @@ class MoCCheckpoint(Checkpoint):
     ) -> None:
         engine = self.engine
         had_snapshot = engine.stats.snapshots
-        stall = engine.wait_snapshot()
+        engine.wait_snapshot()
         if engine.stats.snapshots > had_snapshot:
             stats = engine.stats
             metrics = {
-                "moc/stall_ms": stall * 1000,
+                "moc/stall_ms": stats.stall_seconds[-1] * 1000,
+                "moc/copy_ms": stats.copy_seconds[-1] * 1000,
                 "moc/snapshot_ms": stats.snapshot_seconds[-1] * 1000,
                 "moc/snapshot_bytes": float(stats.snapshot_bytes[-1]),
                 "moc/k_snapshot": float(engine.pec.dynamic_k.k_snapshot),
@@ -237,8 +242,8 @@ class MoCCheckpoint(Checkpoint):
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Path) -> None:
     """Fail before training when the shared-memory root is missing or cannot hold this node's slots.
 
-    Estimate per rank and slot: the dense units and ``k_snapshot`` experts per MoE layer, spread over the
-    ranks, with 50% headroom for uneven ownership; every rank of the node keeps ``NUM_SLOTS`` slots there.
+    Every rank of the node keeps ``NUM_SLOTS`` slots there, each sized by
+    :meth:`PECCheckpointer.snapshot_share_bytes`.
     """
     root = Path(config.shm_root)
     if not root.parent.is_dir():
@@ -246,10 +251,7 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Pa
             f"checkpoint.shm_root={config.shm_root} cannot be created: {root.parent} does not exist; "
             "point it at a node-local tmpfs such as /dev/shm/moc_lightning"
         )
-    layout, topology = pec.layout, pec.topology
-    dense = sum(pec._unit_nbytes(u) for u in layout.dense_units)
-    per_expert = [pec._unit_nbytes(ExpertUnit(layer, 0)) for layer in range(len(layout.num_experts))]
-    per_slot = 1.5 * (dense + pec.dynamic_k.k_snapshot * sum(per_expert)) / topology.world_size
+    per_slot = pec.snapshot_share_bytes()
     local_ranks = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = int(NUM_SLOTS * per_slot * local_ranks)
     free = shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(slot_root)

@@ -157,7 +157,7 @@ class PECCheckpointer:
         self.ledger.mark(step)
         index = self.snapshots_taken
         persist = index % self.cfg.persist_every_n_snapshots == 0
-        selection = self._select(index, persist)
+        selection = self.select(index, persist)
         self.snapshots_taken += 1
         if not persist:
             return None
@@ -171,7 +171,8 @@ class PECCheckpointer:
         if steps:
             self.ledger.prune(min(steps))
 
-    def _select(self, index: int, persist: bool) -> Selection:
+    def select(self, index: int, persist: bool) -> Selection:
+        """The experts checkpoint number ``index`` snapshots (and persists, if ``persist``); advances the policy."""
         unsaved = None
         if self.cfg.selection == "load_aware":
             manifest = self.read_manifest()
@@ -233,7 +234,7 @@ class PECCheckpointer:
             name=name,
             units=record.units,
             bytes_written=written,
-            expected_bytes=sum(self._unit_nbytes(u) for u in units),
+            expected_bytes=sum(self.unit_nbytes(u) for u in units),
             seconds=time.perf_counter() - start,
         )
 
@@ -311,8 +312,8 @@ class PECCheckpointer:
         return writes
 
     def _sharding_unit(self, unit: Unit) -> ShardingUnit:
-        rows = self._unit_rows[self._local_twin(unit)]
-        nbytes = self._unit_nbytes(unit)
+        rows = self._unit_rows[self.local_twin(unit)]
+        nbytes = self.unit_nbytes(unit)
         common = {"key": unit.key, "rows": rows, "row_bytes": max(1, math.ceil(nbytes / rows))}
         if isinstance(unit, DenseUnit):
             return ShardingUnit(kind="dense", holders=range(self.topology.world_size), **common)
@@ -321,15 +322,27 @@ class PECCheckpointer:
         holders = range(ep_rank, self.topology.world_size, self.topology.ep)
         return ShardingUnit(kind="expert", holders=holders, layer=unit.layer, expert=unit.expert, **common)
 
-    def _local_twin(self, unit: Unit) -> Unit:
+    def local_twin(self, unit: Unit) -> Unit:
         """``unit`` itself if held here, else a local expert of the same MoE layer (experts share one shape)."""
         if unit in self.layout.slots:
             return unit
         assert isinstance(unit, ExpertUnit)
         return next(u for u in self.layout.expert_units if u.layer == unit.layer)
 
-    def _unit_nbytes(self, unit: Unit) -> int:
-        return self.layout.unit_bytes(self._local_twin(unit)).total
+    def unit_nbytes(self, unit: Unit) -> int:
+        """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it."""
+        return self.layout.unit_bytes(self.local_twin(unit)).total
+
+    def snapshot_share_bytes(self) -> int:
+        """What one rank's snapshot slot should hold at the current ``k_snapshot``.
+
+        Snapshot ownership spreads the dense units and ``k_snapshot`` experts per MoE layer over the ranks
+        in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance.
+        """
+        dense = [self.unit_nbytes(u) for u in self.layout.dense_units]
+        experts = [self.unit_nbytes(ExpertUnit(layer, 0)) for layer in range(len(self.layout.num_experts))]
+        total = sum(dense) + self.dynamic_k.k_snapshot * sum(experts)
+        return -(-total // self.topology.world_size) + max(dense + experts, default=0)
 
     # ------------------------------------------------------------------- load
     def read_manifest(self) -> Manifest:

@@ -113,4 +113,4 @@ def small_filesystem(path: Path, size: str = "4m") -> Iterator[Path]:
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=True)
+        subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: files still mapped keep it alive

@@ -37,12 +37,11 @@ def test_torn_slot_is_ignored(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     store.write(0, 1, (), _tensors(), {})
 
-    def crash(i: int) -> None:
-        if i == 1:
-            raise KeyboardInterrupt("killed in the middle of the copy")
+    def crash() -> None:
+        raise KeyboardInterrupt("killed in the middle of the copy")
 
     with pytest.raises(KeyboardInterrupt):
-        store.write(1, 2, (), _tensors(), {}, between_tensors=crash)
+        store.write(1, 2, (), _tensors(), {}, midway=crash)
     assert [m.step for m in SnapshotStore(tmp_path).committed()] == [1]
 
 
@@ -55,3 +54,15 @@ def test_choose_slot_spares_busy_and_takes_oldest(tmp_path: Path) -> None:
     assert store.choose_slot(busy={0}) == 1
     with pytest.raises(RuntimeError, match="no snapshot slot free"):
         store.choose_slot(busy={0, 1, 2})
+
+
+def test_reserve_allocates_every_slot_once(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    store.reserve(4096)
+    mapped = {slot: buffer.data_ptr() for slot, buffer in store._buffers.items()}
+    assert sorted(mapped) == [0, 1, 2] and all(b.numel() >= 4096 for b in store._buffers.values())
+    for slot in range(3):
+        store.write(slot, slot + 1, (), _tensors(), {})
+    assert {slot: buffer.data_ptr() for slot, buffer in store._buffers.items()} == mapped
+    store.write(0, 4, (), {"big": torch.zeros(2048)}, {})  # 8 KiB: the slot grows, and still commits
+    assert store._buffers[0].numel() >= 8192 and [m.step for m in store.committed()] == [2, 3, 4]
