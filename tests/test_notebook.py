@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from quick_bench import BenchRun
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks/moc_analysis.ipynb"
@@ -43,9 +46,8 @@ def recipe(*args: str) -> None:
 
 
 @pytest.mark.slow
-def test_notebook_plots_every_figure_from_the_quick_outputs(tmp_path: Path) -> None:
-    recipe("recipes/bench.py", "preset=quick", f"out={tmp_path / 'bench.json'}", f"hydra.run.dir={tmp_path / 'run'}",
-           f"shm_root={tmp_path}")  # fmt: skip
+def test_notebook_plots_every_figure_from_the_quick_outputs(tmp_path: Path, quick_bench: BenchRun) -> None:
+    shutil.copy(quick_bench.result, tmp_path / "bench.json")
     recipe("recipes/accuracy_study.py", f"out={tmp_path / 'accuracy.json'}", "steps=24", "fault_every=10",
            "val_batches=2", "sweep=1")  # fmt: skip
     recipe("recipes/sharding_report.py", f"out={tmp_path / 'sharding.json'}", "plan_ranks=64")

@@ -1,0 +1,27 @@
+"""One run of ``recipes/bench.py preset=quick`` (the ``quick_bench`` fixture of ``conftest.py`` runs it once)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """The quick benchmark's JSON result and what it printed."""
+
+    result: Path
+    stdout: str
+
+
+def run_quick_bench(directory: Path) -> BenchRun:
+    out = directory / "bench.json"
+    cmd = [sys.executable, "recipes/bench.py", "preset=quick", f"out={out}", f"hydra.run.dir={directory / 'run'}",
+           f"shm_root={directory}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return BenchRun(out, proc.stdout)
