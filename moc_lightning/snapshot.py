@@ -93,6 +93,7 @@ class SnapshotStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._buffers: dict[int, torch.Tensor] = {}
+        self._mappings: dict[int, mmap.mmap] = {}
         self._steps: dict[int, int] | None = None
         """Step of each complete slot as this process last wrote or read it (saves a disk scan per snapshot)."""
         self._targets: dict[tuple[int, tuple], tuple[dict[str, SlotEntry], list[torch.Tensor]]] = {}
@@ -176,6 +177,7 @@ class SnapshotStore:
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)
         _pin(buffer)
         self._buffers[slot] = buffer
+        self._mappings[slot] = mapping
         return buffer
 
     def commit(self, meta: SlotMeta) -> None:
@@ -252,14 +254,21 @@ class SnapshotStore:
         return cached
 
     def read(self, meta: SlotMeta, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """Views of the tensors of a committed slot (zero-copy; valid until the slot is reused)."""
-        buffer = self._buffer(meta.slot, 0)
+        """The tensors of a committed slot, zero-copy (valid until the slot is reused).
+
+        Each has a storage of exactly its own bytes: DCP clones a tensor whose storage is larger before
+        writing it (``torch.save`` would write the whole storage), which would cost a persist a fresh
+        allocation and a copy of every tensor.
+        """
+        self._buffer(meta.slot, 0)
+        mapping = self._mappings[meta.slot]
         wanted = list(meta.entries) if keys is None else keys
-        return dict(zip(wanted, views_of(buffer, [meta.entries[key] for key in wanted])))
+        return {key: _exact_view(mapping, meta.entries[key]) for key in wanted}
 
     def clear(self) -> None:
         """Remove every slot of this rank (a fresh start)."""
         self._buffers.clear()
+        self._mappings.clear()
         self._targets.clear()
         self._steps = {}
         shutil.rmtree(self.root, ignore_errors=True)
@@ -305,6 +314,15 @@ def views_of(buffer: torch.Tensor, entries: Sequence[SlotEntry]) -> list[torch.T
             typed = as_dtype[entry.dtype] = buffer[:usable].view(dtype)
         views.append(typed.as_strided(entry.shape, _contiguous_strides(entry.shape), entry.offset // dtype.itemsize))
     return views
+
+
+def _exact_view(mapping: mmap.mmap, entry: SlotEntry) -> torch.Tensor:
+    """The tensor ``entry`` describes, on a storage that is exactly its bytes of ``mapping``."""
+    dtype = _DTYPES[entry.dtype]
+    numel = entry.nbytes // dtype.itemsize
+    if numel == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=entry.offset).view(entry.shape)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
