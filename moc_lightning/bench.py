@@ -418,6 +418,7 @@ class MoCMethod(Method):
             persist_every_n_snapshots=1,
             storage=StorageConfig(url=(root / "ckpt").as_uri()),
             shm_root=str(shm_root),
+            persist_on_fit_end=False,  # like the other methods: periodic checkpoints only, no save_last
         )
         self.checkpoint = MoCCheckpoint(copy.deepcopy(self.config))
         self.notes = f"k_snapshot={k[0]}, k_persist={k[1]}"

@@ -171,7 +171,7 @@ class MoCCheckpoint(Checkpoint):
             self._slots_sized = True
         if step != self._last_step and step % self.config.every_n_train_steps == 0:
             self._last_step = step
-            engine.snapshot(step, _trainer_state(trainer, self.state_key))
+            engine.snapshot(step, _trainer_state(trainer, self.state_key), may_persist=not self._final(trainer))
         engine.faults.at("train", step)
 
     def on_before_optimizer_step(
@@ -198,8 +198,17 @@ class MoCCheckpoint(Checkpoint):
                 metrics["moc/persist_bytes"] = float(stats.persist_reports[-1].bytes_written)
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
+    def _final(self, trainer: L.Trainer) -> bool:
+        """Whether this is the last step of ``max_steps``, which ``on_fit_end`` persists whole."""
+        return self.config.persist_on_fit_end and 0 < trainer.max_steps <= trainer.global_step
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.engine.finish()
+        if self.config.persist_on_fit_end:
+            report = self.engine.persist_final(trainer.global_step, _trainer_state(trainer, self.state_key))
+            if report is None and trainer.is_global_zero:
+                print(f"[moc_lightning] step {trainer.global_step} was persisted already (with "
+                      f"k_persist={self.engine.pec.dynamic_k.k_persist} experts per layer); no final full persist")
         if trainer.is_global_zero:
             print(self.summary())
 

@@ -84,6 +84,9 @@ class CheckpointConfig:
     """Dynamic-K settings."""
     resume: str = "auto"
     """``auto``: recover from the newest surviving checkpoint at start-up; ``never``: start fresh."""
+    persist_on_fit_end: bool = True
+    """When ``fit`` ends, persist every unit (dense and all experts) at the last step, as ``ModelCheckpoint``'s
+    ``save_last`` would: a finished run leaves one complete checkpoint, not experts spread over earlier steps."""
 
     def __post_init__(self) -> None:
         _require_at_least("checkpoint.k_snapshot", self.k_snapshot, 1)

@@ -149,9 +149,10 @@ class TwoLevelCheckpointer:
                 f"({err.strerror}); point checkpoint.shm_root at a larger tmpfs or lower checkpoint.k_snapshot"
             ) from err
 
-    def snapshot(self, step: int, trainer_state: Mapping[str, Any] | None = None) -> None:
+    def snapshot(self, step: int, trainer_state: Mapping[str, Any] | None = None, may_persist: bool = True) -> None:
         """Take the snapshot of step ``step``: copy now (host tensors) or enqueue the copy (GPU tensors), and
-        leave the commit to the background thread."""
+        leave the commit to the background thread. ``may_persist=False``: never persist this one (the last
+        step, which :meth:`persist_final` writes whole); the same on every rank."""
         self.wait_snapshot()
         taking = time.perf_counter()
         if self._reservation is not None:
@@ -164,8 +165,9 @@ class TwoLevelCheckpointer:
         pec._sync_tokens()
         pec.ledger.mark(step)
         index = pec.snapshots_taken
-        persist = index % pec.cfg.persist_every_n_snapshots == 0 and self._all_ranks_free_to_persist()
-        if index % pec.cfg.persist_every_n_snapshots == 0 and not persist:
+        due = index % pec.cfg.persist_every_n_snapshots == 0 and may_persist
+        persist = due and self._all_ranks_free_to_persist()
+        if due and not persist:
             self.stats.skipped_persists += 1
         selection = pec.select(index, persist)
         pec.snapshots_taken += 1
@@ -302,6 +304,25 @@ class TwoLevelCheckpointer:
         if self._persist is not None:
             self._persist.exception()
         self._reap_persist()
+
+    def persist_final(self, step: int, trainer_state: Mapping[str, Any] | None) -> SaveReport | None:
+        """Persist every unit at ``step`` from the live tensors (collective); call after :meth:`finish`.
+
+        Returns ``None`` when a checkpoint of ``step`` is already committed: a partial one, if training
+        stopped at a step that had already been persisted without a warning that it was the last.
+        """
+        pec = self.pec
+        newest = pec.read_manifest().latest
+        if newest is not None and newest.step >= step:
+            return None
+        pec._sync_tokens()
+        pec.ledger.mark(step)
+        experts = tuple(ExpertUnit(layer, e) for layer, n in enumerate(pec.layout.num_experts) for e in range(n))
+        report = pec.persist(step, pec.layout.dense_units + experts, trainer_state=encode_state(trainer_state))
+        self.stats.persists += 1
+        self.stats.persist_reports.append(report)
+        pec.prune_ledger(in_memory=self.store.steps())
+        return report
 
     # --------------------------------------------------------------- recovery
     def recover(self) -> RecoveryReport | None:

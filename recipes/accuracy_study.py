@@ -242,6 +242,7 @@ def checkpoint_config(config: Configuration, settings: StudySettings, work: Path
         storage=StorageConfig(url=(work / "ckpt").as_uri()),
         shm_root=str(work / "shm"),
         dynamic_k=DynamicKConfig(enabled=config.dynamic_k),
+        persist_on_fit_end=False,  # a segment's end stands for a fault here, not for a finished run
     )
 
 

@@ -84,7 +84,8 @@ def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> Non
     """Every step's snapshot is committed and accounted; how long they stall is the benchmark's business
     (``recipes/bench.py``), not a unit test's on a shared machine."""
     timer = StepTimer()
-    moc = _fit(tmp_path, _config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=10), 40, [timer])
+    config = _config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=10, persist_on_fit_end=False)
+    moc = _fit(tmp_path, config, 40, [timer])
     stats = moc.engine.stats
     mean_stall = sum(stats.stall_seconds) / len(stats.stall_seconds)
     print(f"mean stall {mean_stall * 1e3:.3f} ms per snapshot, mean step {timer.mean_step * 1e3:.2f} ms")
@@ -135,3 +136,25 @@ def test_shared_memory_too_small_for_the_optimizer_state_fails_with_the_option(t
                 _fit(tmp_path, config, 10, [])
     except PermissionError as err:
         pytest.skip(f"no small tmpfs to fill: {err}")
+
+
+@pytest.mark.parametrize("max_steps", [12, 10])  # the last step between snapshots, and a snapshot step
+def test_finished_run_leaves_a_complete_checkpoint_of_its_last_step(tmp_path: Path, max_steps: int) -> None:
+    end = StateCapture()
+    moc = _fit(tmp_path, _config(tmp_path, every_n_train_steps=5, persist_every_n_snapshots=1), max_steps, [end])
+    newest = moc.engine.pec.read_manifest().latest
+    layout = moc.engine.pec.layout
+    assert newest.step == max_steps and set(newest.units) == {u.key for u in layout.units}
+
+    fresh = StateCapture()
+    resumed = _fit(tmp_path / "again", _config(tmp_path, every_n_train_steps=5), max_steps + 2, [fresh])
+    assert resumed.recovery.resume_step == max_steps and fresh.start["step"] == max_steps
+    for key, tensor in fresh.start["tensors"].items():
+        assert torch.equal(tensor, end.end["tensors"][key]), f"{key} is not the finished run's"
+
+
+def test_without_persist_on_fit_end_the_last_checkpoint_stays_partial(tmp_path: Path) -> None:
+    config = _config(tmp_path, every_n_train_steps=5, persist_every_n_snapshots=1, persist_on_fit_end=False)
+    moc = _fit(tmp_path, config, 10, [])
+    newest = moc.engine.pec.read_manifest().latest
+    assert newest.step == 10 and len([u for u in newest.units if u.startswith("expert/")]) == 2  # k_persist x 2 layers

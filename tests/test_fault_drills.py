@@ -125,4 +125,4 @@ def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tm
     assert (tmp_path / "ckpt" / "step_000000015").exists(), "its bytes were written, but no manifest listed them"
     check_bitwise(tmp_path, reports)
     manifest = Manifest.from_json((tmp_path / "ckpt" / "manifest.json").read_bytes())
-    assert [r.step for r in manifest.records] == [5, 25], "the restarted run persisted again at 25"
+    assert [r.step for r in manifest.records] == [5, 25, 30], "the restarted run persisted again at 25 (30: its end)"

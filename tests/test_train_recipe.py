@@ -55,14 +55,16 @@ def test_train_recipe_two_processes_learns_and_writes_pec_checkpoints(tmp_path: 
     assert _column(rows, "val_loss"), "validation loss is logged"
     assert "metrics.csv" in proc.stdout
 
-    # Snapshots at 10, 20, ..., 60; every second one persisted: steps 10, 30, 50, each a DCP checkpoint.
+    # Snapshots at 10, 20, ..., 60; every second one persisted (10, 30, 50) and the last step wholly (60), each a
+    # DCP checkpoint; retention keeps 3, and 10 no longer holds the newest version of any unit.
     manifest = Manifest.from_json((ckpt / "manifest.json").read_bytes())
-    assert [r.step for r in manifest.records] == [10, 30, 50]
+    assert [r.step for r in manifest.records] == [30, 50, 60]
     for record in manifest.records:
         metadata = FileSystemReader(str(ckpt / record.name)).read_metadata()
         stored = {parse_unit(key).key for key in metadata.state_dict_metadata}
         assert stored == set(record.units)
-        assert sum(key.startswith("expert/") for key in record.units) == 2, "k_persist=1 of each of 2 MoE layers"
+        experts = sum(key.startswith("expert/") for key in record.units)
+        assert experts == (16 if record.step == 60 else 2), "k_persist=1 of each of 2 MoE layers; all 8 at the end"
 
 
 @pytest.mark.slow
