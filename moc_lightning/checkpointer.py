@@ -133,6 +133,12 @@ class PECCheckpointer:
             self._pending[i] += layer.tokens_per_expert.to("cpu", torch.int64)
             self._pending_assigned[i] += layer.tokens_assigned
 
+    def mark_step(self, step: int) -> None:
+        """Reduce the router counts recorded since the last mark over all ranks (collective: every rank, on the
+        training thread) and mark ``step`` in the ledger, as the step a checkpoint is taken at."""
+        self._sync_tokens()
+        self.ledger.mark(step)
+
     def _sync_tokens(self) -> None:
         flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
         if dist.is_initialized():
@@ -153,8 +159,7 @@ class PECCheckpointer:
 
         Returns the save report when something was persisted.
         """
-        self._sync_tokens()
-        self.ledger.mark(step)
+        self.mark_step(step)
         index = self.snapshots_taken
         persist = index % self.cfg.persist_every_n_snapshots == 0
         selection = self.select(index, persist)

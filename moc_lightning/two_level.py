@@ -162,8 +162,7 @@ class TwoLevelCheckpointer:
             self._reservation = None
         self._reap_persist()
         pec = self.pec
-        pec._sync_tokens()
-        pec.ledger.mark(step)
+        pec.mark_step(step)
         index = pec.snapshots_taken
         due = index % pec.cfg.persist_every_n_snapshots == 0 and may_persist
         persist = due and self._all_ranks_free_to_persist()
@@ -315,8 +314,7 @@ class TwoLevelCheckpointer:
         newest = pec.read_manifest().latest
         if newest is not None and newest.step >= step:
             return None
-        pec._sync_tokens()
-        pec.ledger.mark(step)
+        pec.mark_step(step)
         experts = tuple(ExpertUnit(layer, e) for layer, n in enumerate(pec.layout.num_experts) for e in range(n))
         report = pec.persist(step, pec.layout.dense_units + experts, trainer_state=encode_state(trainer_state))
         self.stats.persists += 1

@@ -236,12 +236,13 @@ def test_train_recipe_through_hydra_submitit_launcher(
         for rank in range(devices):
             assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{devices}" in err, detail
 
-    # The Hydra job's output dir: CSV metrics and MoC checkpoints (persists at steps 5 and 15).
+    # The Hydra job's output dir: CSV metrics and MoC checkpoints (persists at steps 5 and 15, and all of step 20
+    # when fit ends).
     run_dir = sweep_dir / "0"
     rows = _read_metrics(run_dir)
     assert [float(r["val_loss"]) for r in rows if r.get("val_loss")], "validation loss is logged"
     manifest = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
-    assert [r["step"] for r in manifest["records"]] == [5, 15]
+    assert [r["step"] for r in manifest["records"]] == [5, 15, 20]
     for record in manifest["records"]:
         assert (run_dir / "checkpoints" / record["name"] / ".metadata").is_file()
 
