@@ -67,6 +67,7 @@ class SaveReport:
     expected_bytes: int
     """Bytes of every saved unit, all ranks together (eq. 5/6 evaluated on the real tensors)."""
     seconds: float
+    """From the start of the DCP save to the manifest commit on every rank (retention's deletions follow)."""
 
 
 @dataclass(frozen=True)
@@ -230,11 +231,12 @@ class PECCheckpointer:
         param_sources = self._gather_param_sources()  # collective on first use: every rank, before the commit
         if before_commit is not None:
             before_commit()
+        retired: list[str] = []
         if self._is_coordinator:
             description = self._describe(record, param_sources, engine_state or self.state_dict(), trainer_state)
-            self._commit(record, description)
+            retired = self._commit(record, description)
         self._barrier()
-        return SaveReport(
+        report = SaveReport(
             step=step,
             name=name,
             units=record.units,
@@ -242,16 +244,19 @@ class PECCheckpointer:
             expected_bytes=sum(self.unit_nbytes(u) for u in units),
             seconds=time.perf_counter() - start,
         )
+        for retired_name in retired:  # after the commit, and after the persist's clock
+            self.storage.delete(retired_name)
+        return report
 
-    def _commit(self, record: CheckpointRecord, description: dict[str, Any]) -> None:
-        """Self-description first, then the manifest (the commit point), then retention's deletions."""
+    def _commit(self, record: CheckpointRecord, description: dict[str, Any]) -> list[str]:
+        """Self-description first, then the manifest (the commit point); returns what retention retired, for
+        the caller to delete once the commit is done."""
         self.storage.put(f"{record.name}/moc.json", json.dumps(description).encode())
         current = self.read_manifest()
         manifest, removed = current.with_record(record).retire(self.cfg.retention)
         self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
         self.storage.put(MANIFEST, manifest.to_json())
-        for name in removed:
-            self.storage.delete(name)
+        return removed
 
     def _describe(
         self,

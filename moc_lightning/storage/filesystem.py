@@ -1,104 +1,110 @@
-"""The ``filesystem`` backend: DCP's own file writer and reader under a local (or mounted) directory.
+"""The ``filesystem`` backend: DCP checkpoints under a local (or mounted) directory, items stored raw.
 
-Layout: ``<root>/<checkpoint name>/`` holds DCP's files (one per rank and ``.metadata``); control
-objects are files under ``<root>`` written by ``LocalObjects``.
+Layout: ``<root>/<checkpoint name>/`` holds one data file per rank (DCP's names, ``__<rank>_0.distcp``) and
+DCP's ``.metadata``; control objects are files under ``<root>`` written by ``LocalObjects``.
 
-Integrity: the writer records the CRC32C of every item's bytes in its file beside DCP's own storage info
-(offset, length), so it lands in ``.metadata``; the reader checks each item before DCP parses it.
+Items are stored as their raw bytes, one after another, and ``.metadata`` records for each its offset,
+length, CRC32C, dtype and shape. DCP's own ``FileSystemWriter`` ``torch.save``s every item instead (a zip
+archive each): measured on a 39 MB persist of 116 items, that framing cost ~30 ms of Python per persist and
+took the persist from 0.72 to 0.45-0.50 GB/s while training ran (``docs/bench.md``). The reader checks each
+item's length and CRC32C before it becomes a tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from moc_lightning.storage.integrity import (
-    METADATA_NAME,
-    CorruptCheckpointError,
-    checksum_range,
-    load_metadata,
-    verified,
-)
+from moc_lightning.storage.integrity import METADATA_NAME, CorruptCheckpointError, checksum, load_metadata, verified
 from moc_lightning.storage.location import open_local_dir
 from moc_lightning.storage.objects import LocalObjects, fsync_dir, make_dirs_durable
 
 
 @dataclass
 class ChecksummedStorageInfo(_StorageInfo):
-    """DCP's location of an item (file, offset, length) plus the CRC32C of those bytes.
-
-    A subclass, so DCP's stock ``FileSystemReader`` still reads these checkpoints (without checking).
-    """
+    """DCP's location of an item (file, offset, length) plus the CRC32C of those bytes and, for a tensor,
+    the dtype and shape that make the raw bytes a tensor again (``dtype`` is empty for a bytes item)."""
 
     crc32c: int = dataclasses.field(kw_only=True)
+    dtype: str = dataclasses.field(kw_only=True, default="")
+    shape: tuple[int, ...] = dataclasses.field(kw_only=True, default=())
 
 
 class DurableFileSystemWriter(FileSystemWriter):
-    """DCP's writer, made safe to crash in and checksummed (DESIGN.md, hard part 5).
+    """DCP's writer, made safe to crash in, checksummed, and writing raw item bytes (DESIGN.md, hard part 5).
 
     - A stale ``.metadata`` (left by a failed earlier save to this location) is removed, durably, before
       any rank writes: otherwise it would describe data files that this save is rewriting.
-    - Every item's CRC32C is computed from its file once DCP has written and fsynced it (the bytes are
-      still in the page cache): DCP serialises items itself, so the file is the only place their final
-      bytes exist whole.
-    - DCP fsyncs every data file and ``.metadata`` but not the directory that names them, so after a
-      crash the files could be lost although their bytes were synced. The coordinator's ``finish`` runs
-      after every rank's ``write_data`` has returned, so one directory fsync there makes the whole
-      checkpoint durable before the manifest can point at it.
+    - Each rank writes its items' bytes to one file, records each item's CRC32C, and fsyncs the file.
+    - DCP fsyncs ``.metadata`` but not the directory that names the files, so after a crash the files could
+      be lost although their bytes were synced. The coordinator's ``finish`` runs after every rank's
+      ``write_data`` has returned, so one directory fsync there makes the whole checkpoint durable before the
+      manifest can point at it.
     """
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        Path(self.path, METADATA_NAME).unlink(missing_ok=True)
-        fsync_dir(Path(self.path))
+        try:
+            Path(self.path, METADATA_NAME).unlink()
+        except FileNotFoundError:
+            pass  # the usual case: a fresh directory
+        else:
+            fsync_dir(Path(self.path))
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()
-        checksummed: Future[list[WriteResult]] = Future()
-        checksummed.set_result(self._checksummed(results))
-        return checksummed
-
-    def _checksummed(self, results: list[WriteResult]) -> list[WriteResult]:
-        """``results`` with each storage info carrying the CRC32C of its bytes; each file is opened once."""
-        by_file: dict[str, list[WriteResult]] = defaultdict(list)
-        for result in results:
-            by_file[result.storage_data.relative_path].append(result)
-        checksummed = []
-        for relative_path, written in by_file.items():
-            with open(Path(self.path, relative_path), "rb") as file:
-                checksummed += [_with_checksum(result, file) for result in written]
-        return checksummed
+        relative_path = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results, offset = [], 0
+        with open(Path(self.path, relative_path), "wb") as file:
+            for item in plan.items:
+                data, dtype, shape = _raw(planner.resolve_data(item))
+                file.write(data)
+                info = ChecksummedStorageInfo(
+                    relative_path, offset, len(data), crc32c=checksum(data), dtype=dtype, shape=shape
+                )
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=info))
+                offset += len(data)
+            file.flush()
+            os.fsync(file.fileno())
+        written: Future[list[WriteResult]] = Future()
+        written.set_result(results)
+        return written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         fsync_dir(Path(self.path))
 
 
-def _with_checksum(result: WriteResult, file: IO[bytes]) -> WriteResult:
-    info: _StorageInfo = result.storage_data
-    crc = checksum_range(file, info.offset, info.length)
-    return dataclasses.replace(result, storage_data=ChecksummedStorageInfo(**vars(info), crc32c=crc))
+def _raw(data: torch.Tensor | io.BytesIO) -> tuple[bytes, str, tuple[int, ...]]:
+    """An item's bytes, and for a tensor its dtype (``torch.float32``) and shape."""
+    if isinstance(data, io.BytesIO):
+        return data.getvalue(), "", ()
+    tensor = data.detach().cpu().contiguous()
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), str(tensor.dtype), tuple(tensor.shape)
 
 
 class VerifyingFileSystemReader(FileSystemReader):
-    """DCP's reader, except that damage to ``.metadata`` or to any item raises :class:`CorruptCheckpointError`.
+    """Reads the raw items of :class:`DurableFileSystemWriter`; any damage raises :class:`CorruptCheckpointError`.
 
-    Each item's bytes are read whole and checked against their CRC32C before DCP deserialises them, so a
-    damaged item never reaches the planner (DCP's own reader streams them straight into ``torch.load``).
+    Each item's bytes are read whole and checked against their length and CRC32C before they become a tensor,
+    so a damaged item never reaches the planner.
     """
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
         try:
             data = path.read_bytes()
@@ -107,18 +113,49 @@ class VerifyingFileSystemReader(FileSystemReader):
         return load_metadata(str(self.path), data, self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        try:
-            return super().read_data(plan, planner)
-        except FileNotFoundError as err:
-            raise CorruptCheckpointError(str(self.path), f"data file {Path(err.filename).name} is missing") from err
+        by_file = defaultdict(list)
+        for request in plan.items:
+            by_file[self.storage_data[request.storage_index].relative_path].append(request)
+        for relative_path, requests in by_file.items():
+            try:
+                file = open(Path(self.path, relative_path), "rb")
+            except FileNotFoundError as err:
+                raise CorruptCheckpointError(str(self.path), f"data file {relative_path} is missing") from err
+            with file:
+                for request in requests:
+                    data = self._item_bytes(file, self.storage_data[request.storage_index])
+                    if request.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(request, io.BytesIO(data))
+                        continue
+                    stored = _tensor(data, self.storage_data[request.storage_index])
+                    piece = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
+                    target = planner.resolve_tensor(request).detach()
+                    if target.size() != piece.size():
+                        raise ValueError(f"{request.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
+                                         f"fit the requested {tuple(target.size())}")
+                    target.copy_(piece)
+                    planner.commit_tensor(request, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
-    def _slice_file(self, file: IO[bytes], sinfo: _StorageInfo) -> IO[bytes]:
-        """The verified bytes of one item (DCP's hook for reading an item out of its data file)."""
-        what = f"item at bytes {sinfo.offset}..{sinfo.offset + sinfo.length} of {sinfo.relative_path}"
-        if not isinstance(sinfo, ChecksummedStorageInfo):
+    def _item_bytes(self, file: IO[bytes], info: _StorageInfo) -> bytes:
+        """The verified bytes of one item."""
+        what = f"item at bytes {info.offset}..{info.offset + info.length} of {info.relative_path}"
+        if not isinstance(info, ChecksummedStorageInfo):
             raise CorruptCheckpointError(str(self.path), f"{what} has no checksum (written without one)")
-        file.seek(sinfo.offset)
-        return io.BytesIO(verified(str(self.path), what, file.read(sinfo.length), sinfo.length, sinfo.crc32c))
+        file.seek(info.offset)
+        return verified(str(self.path), what, file.read(info.length), info.length, info.crc32c)
+
+
+def _tensor(data: bytes, info: ChecksummedStorageInfo) -> torch.Tensor:
+    """The stored tensor, viewing ``data`` (read-only: only ever copied from)."""
+    dtype = getattr(torch, info.dtype.removeprefix("torch."))
+    if not data:
+        return torch.empty(info.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": nothing writes to it
+        return torch.frombuffer(data, dtype=dtype).view(info.shape)
 
 
 class FilesystemStorage(LocalObjects):

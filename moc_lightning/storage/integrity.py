@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from typing import BinaryIO, TypeVar
+from typing import TypeVar
 
 import google_crc32c
 from torch.distributed.checkpoint.api import CheckpointException
@@ -21,9 +21,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 METADATA_NAME = ".metadata"
 """DCP's name for the object whose presence makes a location a finished checkpoint (both backends)."""
-
-CHECKSUM_BLOCK = 16 << 20
-"""Bytes read at a time when checksumming a file range, so a large item does not need a second copy in memory."""
 
 E = TypeVar("E", bound=BaseException)
 
@@ -49,19 +46,6 @@ class CorruptCheckpointError(BaseException):
 def checksum(data: bytes) -> int:
     """The CRC32C of ``data``."""
     return google_crc32c.value(data)
-
-
-def checksum_range(file: BinaryIO, offset: int, length: int) -> int:
-    """The CRC32C of ``length`` bytes of ``file`` from ``offset``, read block by block."""
-    file.seek(offset)
-    crc, remaining = 0, length
-    while remaining:
-        block = file.read(min(CHECKSUM_BLOCK, remaining))
-        if not block:
-            raise EOFError(f"{file.name} ends {remaining} bytes before byte {offset + length}")
-        crc = google_crc32c.extend(crc, block)
-        remaining -= len(block)
-    return crc
 
 
 def verified(checkpoint: str, what: str, data: bytes, length: int, crc: int) -> bytes:
