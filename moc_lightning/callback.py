@@ -222,13 +222,18 @@ class MoCCheckpoint(Checkpoint):
             f"({stats.skipped_persists} skipped while one was in flight, {stats.failed_persists} failed), "
             f"mean stall {stall:.2f} ms per snapshot",
         ]
+        model = pec.size_model()
         if stats.persist_reports:
             report = stats.persist_reports[-1]
-            model = pec.size_model()
             lines.append(
                 f"[moc_lightning] bytes per persist {report.expected_bytes / 1e6:.3f} MB; eq. 6 with "
                 f"K={pec.dynamic_k.k_persist}: {model.c_pec(pec.dynamic_k.k_persist) / 1e6:.3f} MB; "
                 f"eq. 5 (full): {model.c_full() / 1e6:.3f} MB"
+            )
+        if stats.final_persist is not None:
+            lines.append(
+                f"[moc_lightning] final persist of step {stats.final_persist.step}: every unit, "
+                f"{stats.final_persist.expected_bytes / 1e6:.3f} MB (eq. 5: {model.c_full() / 1e6:.3f} MB)"
             )
         return "\n".join(lines)
 

@@ -69,6 +69,9 @@ class CheckpointStats:
     """Per snapshot, the wait for its commit alone."""
     snapshot_bytes: list[int] = field(default_factory=list)
     persist_reports: list[SaveReport] = field(default_factory=list)
+    """The periodic persists (``persists`` counts them)."""
+    final_persist: SaveReport | None = None
+    """The persist of every unit when ``fit`` ended (``persist_on_fit_end``), kept apart from the periodic ones."""
 
 
 @dataclass(frozen=True)
@@ -317,8 +320,7 @@ class TwoLevelCheckpointer:
         pec.mark_step(step)
         experts = tuple(ExpertUnit(layer, e) for layer, n in enumerate(pec.layout.num_experts) for e in range(n))
         report = pec.persist(step, pec.layout.dense_units + experts, trainer_state=encode_state(trainer_state))
-        self.stats.persists += 1
-        self.stats.persist_reports.append(report)
+        self.stats.final_persist = report
         pec.prune_ledger(in_memory=self.store.steps())
         return report
 

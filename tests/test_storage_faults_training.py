@@ -38,10 +38,12 @@ def test_failed_persists_are_counted_and_training_reaches_max_steps(
     assert moc._trainer.global_step == 24
     # How many persists got as far as a write depends on timing (a slow one makes the next one skip),
     # but every persist-due snapshot is accounted for, and the injected failures were hit and survived.
+    # The last step's snapshot is not persist-due: the persist of every unit at the end of fit covers it.
     assert stats.failed_persists >= 1 and stats.persists >= 1
-    assert stats.failed_persists + stats.persists + stats.skipped_persists == stats.snapshots == 12
+    assert stats.failed_persists + stats.persists + stats.skipped_persists == stats.snapshots - 1 == 11
     manifest = moc.engine.pec.read_manifest()
-    assert manifest.records and manifest.latest.step == stats.persist_reports[-1].step
+    assert stats.final_persist is not None and manifest.latest.step == stats.final_persist.step == 24
+    assert manifest.records[-2].step == stats.persist_reports[-1].step
 
     # The newest committed persist is complete: a fresh model restores it from storage alone.
     assert _storage_only_load(config).resume_step == manifest.latest.step
@@ -81,7 +83,7 @@ def test_slow_storage_skips_persists_and_keeps_memory_bounded(
     stats = moc.engine.stats
     print(f"snapshots {stats.snapshots}, persists {stats.persists}, skipped {stats.skipped_persists}")
     assert stats.snapshots == 30 and stats.skipped_persists > 0
-    assert stats.persists + stats.skipped_persists + stats.failed_persists == 30
+    assert stats.persists + stats.skipped_persists + stats.failed_persists == 29, "all but the last step's"
     slots = list(moc.engine.store.root.glob("slot*"))
     assert len(slots) <= NUM_SLOTS, "snapshots reuse three slots whatever the storage does"
 
