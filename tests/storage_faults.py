@@ -1,4 +1,5 @@
-"""Storage that fails on purpose, for tests: a wrapper that injects I/O errors, and a real file system that fills up."""
+"""Storage that fails on purpose, for tests: a wrapper that injects I/O errors, a real file system that fills up,
+and damage done to a stored file."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import contextlib
 import errno
 import os
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,22 @@ def small_filesystem(path: Path, size: str = "4m") -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: files still mapped keep it alive
+
+
+def flip_middle_byte(path: Path) -> None:
+    """Flip one bit in the middle of ``path``."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate_to_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGES: dict[str, Callable[[Path], None]] = {
+    "flip": flip_middle_byte,
+    "truncate": truncate_to_half,
+    "delete": Path.unlink,
+}
+"""Damage a stored file can suffer, by name (test ids)."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from storage_faults import DAMAGES
 from trainee import TINY, Trainee, every_step_config
 
 from moc_lightning.models import ExpertParallelTopology
@@ -25,27 +26,14 @@ def _two_checkpoints(url: str) -> tuple[dict[int, dict[str, torch.Tensor]], Path
     return captured, Path(url.removeprefix("file://"))
 
 
-def _flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def _truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
-DAMAGE = {"flipped_byte": _flip_byte, "truncated": _truncate, "deleted": Path.unlink}
-
-
-@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_damaged_tensor_file_falls_back_to_previous_version(
     tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = (tmp_path / "ckpt").as_uri()
     captured, root = _two_checkpoints(url)
     data_file = next((root / "step_000000004").glob("*.distcp"))
-    DAMAGE[damage](data_file)
+    DAMAGES[damage](data_file)
 
     fresh = Trainee(ExpertParallelTopology(), seed=1)
     engine = fresh.engine(every_step_config(TINY.num_experts, TINY.num_experts), url)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from storage_faults import FaultyStorage, small_filesystem
+from storage_faults import DAMAGES, FaultyStorage, flip_middle_byte, small_filesystem, truncate_to_half
 from torch.distributed.checkpoint.api import CheckpointException
 from trainee import TINY, Trainee, every_step_config
 
@@ -128,21 +128,6 @@ def test_intact_checkpoint_round_trips(storage: CheckpointStorage) -> None:
 # ---------------------------------------------------------------- damage
 
 
-def _flip_middle_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
-def _truncate_to_half(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
-DAMAGES: dict[str, Callable[[Path], None]] = {
-    "flip": _flip_middle_byte,
-    "truncate": _truncate_to_half,
-    "delete": Path.unlink,
-}
 DATA_FILES = [
     ("filesystem", "__0_0.distcp"),  # every byte of it belongs to one item
     ("tensorstore", "w/@2.0/c/0/0"),  # the zarr chunk of w's rows 2..6
@@ -169,7 +154,7 @@ def test_damaged_data_file_is_reported_by_name(tmp_path: Path, backend: str, fil
     "damage",
     [
         pytest.param(lambda p: p.write_bytes(b"\x80\x05garbage that is no pickle"), id="garbage"),
-        pytest.param(_truncate_to_half, id="truncate"),
+        pytest.param(truncate_to_half, id="truncate"),
         pytest.param(lambda p: p.write_bytes(pickle.dumps({"not": "metadata"})), id="wrong_type"),
         pytest.param(Path.unlink, id="delete"),
     ],
@@ -206,7 +191,7 @@ def _damage_seen_by_one_rank(rank: int, world_size: int, backend: str, root: str
     dcp.save(_state(), storage_writer=storage.writer(NAME), planner=MoCSavePlanner(writes))
     dist.barrier()
     if rank == 0:
-        _flip_middle_byte(Path(root) / NAME / damaged)
+        flip_middle_byte(Path(root) / NAME / damaged)
     dist.barrier()
     mine = {"w": torch.zeros(8, 4)} if rank == 1 else {"b": torch.zeros(3, dtype=torch.bfloat16)}
     try:
