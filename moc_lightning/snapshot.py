@@ -17,7 +17,7 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,13 +92,12 @@ class SnapshotStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._buffers: dict[int, torch.Tensor] = {}
         self._mappings: dict[int, mmap.mmap] = {}
         self._steps: dict[int, int] | None = None
         """Step of each complete slot as this process last wrote or read it (saves a disk scan per snapshot)."""
         self._targets: dict[tuple[int, tuple], tuple[dict[str, SlotEntry], list[torch.Tensor]]] = {}
-        """Per slot and tensor signature, the slot's layout and views to copy into: a snapshot's copy thread
-        then makes one call into ATen, not three per tensor (each a GIL hand-over with the training thread)."""
+        """Per slot and tensor signature, the slot's layout and views to copy into: a snapshot of units already
+        seen in that slot is one ``_foreach_copy_``, with no layout or views to build first."""
 
     def slot_dir(self, slot: int) -> Path:
         return self.root / f"slot{slot}"
@@ -151,17 +150,17 @@ class SnapshotStore:
         machine class, 15-20 ms for 40 MB against 2 ms for the copy itself).
         """
         for slot in range(NUM_SLOTS):
-            self._buffer(slot, nbytes)
+            self._map(slot, nbytes)
 
-    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+    def _map(self, slot: int, nbytes: int) -> mmap.mmap:
         """The slot's ``data`` file mapped into memory, at least ``nbytes`` long; its content is kept.
 
         The file's pages are allocated (a full tmpfs fails here with ENOSPC rather than killing the process
         with SIGBUS in the middle of a copy) and mapped in (``MAP_POPULATE``) before anyone copies into it.
         """
-        buffer = self._buffers.get(slot)
-        if buffer is not None and buffer.numel() >= nbytes:
-            return buffer
+        previous = self._mappings.get(slot)
+        if previous is not None and len(previous) >= nbytes:
+            return previous
         directory = self.slot_dir(slot)
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(directory / "data", os.O_RDWR | os.O_CREAT, 0o600)
@@ -171,14 +170,12 @@ class SnapshotStore:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        if buffer is not None:
-            _unpin(buffer)
+        if previous is not None:
+            _unpin(previous)
             self._targets = {k: v for k, v in self._targets.items() if k[0] != slot}
-        buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        _pin(buffer)
-        self._buffers[slot] = buffer
+        _pin(mapping)
         self._mappings[slot] = mapping
-        return buffer
+        return mapping
 
     def commit(self, meta: SlotMeta) -> None:
         """Publish a complete slot: ``meta.json`` appears atomically after all bytes are in place."""
@@ -248,26 +245,19 @@ class SnapshotStore:
         cached = self._targets.get((slot, signature))
         if cached is None:
             entries, nbytes = layout_entries(tensors)
-            buffer = self._buffer(slot, nbytes)
-            cached = entries, views_of(buffer, [entries[key] for key in tensors])
+            mapping = self._map(slot, nbytes)
+            cached = entries, [view_of(mapping, entries[key]) for key in tensors]
             self._targets[(slot, signature)] = cached
         return cached
 
     def read(self, meta: SlotMeta, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """The tensors of a committed slot, zero-copy (valid until the slot is reused).
-
-        Each has a storage of exactly its own bytes: DCP clones a tensor whose storage is larger before
-        writing it (``torch.save`` would write the whole storage), which would cost a persist a fresh
-        allocation and a copy of every tensor.
-        """
-        self._buffer(meta.slot, 0)
-        mapping = self._mappings[meta.slot]
+        """The tensors of a committed slot, zero-copy (valid until the slot is reused)."""
+        mapping = self._map(meta.slot, 0)
         wanted = list(meta.entries) if keys is None else keys
-        return {key: _exact_view(mapping, meta.entries[key]) for key in wanted}
+        return {key: view_of(mapping, meta.entries[key]) for key in wanted}
 
     def clear(self) -> None:
         """Remove every slot of this rank (a fresh start)."""
-        self._buffers.clear()
         self._mappings.clear()
         self._targets.clear()
         self._steps = {}
@@ -286,48 +276,30 @@ def _side_stream() -> torch.cuda.Stream:
     return stream
 
 
-def _pin(buffer: torch.Tensor) -> None:
+def _pin(mapping: mmap.mmap) -> None:
     """Page-lock a shared-memory slot so device-to-host copies run asynchronously at full bandwidth."""
     if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+        torch.cuda.cudart().cudaHostRegister(_address(mapping), len(mapping), 0)
 
 
-def _unpin(buffer: torch.Tensor) -> None:
+def _unpin(mapping: mmap.mmap) -> None:
     """Undo :func:`_pin` for a mapping that is being replaced by a larger one."""
     if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(_address(mapping))
 
 
-def views_of(buffer: torch.Tensor, entries: Sequence[SlotEntry]) -> list[torch.Tensor]:
-    """Views into the slot's byte buffer of the tensors ``entries`` describe.
+def _address(mapping: mmap.mmap) -> int:
+    return torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
 
-    One reinterpretation of the buffer per dtype, then one ``as_strided`` per tensor: a third of the calls of
-    slicing and viewing each tensor (a snapshot of a large model has thousands).
+
+def view_of(mapping: mmap.mmap, entry: SlotEntry) -> torch.Tensor:
+    """The tensor ``entry`` describes, on a storage that is exactly its bytes of the slot's ``mapping``.
+
+    Exactly: DCP clones a tensor whose storage is larger before writing it (``torch.save`` would write the
+    whole storage), which would cost a persist from the slot a fresh allocation and a copy of every tensor.
     """
-    as_dtype: dict[str, torch.Tensor] = {}
-    views = []
-    for entry in entries:
-        dtype = _DTYPES[entry.dtype]
-        typed = as_dtype.get(entry.dtype)
-        if typed is None:
-            usable = buffer.numel() // dtype.itemsize * dtype.itemsize
-            typed = as_dtype[entry.dtype] = buffer[:usable].view(dtype)
-        views.append(typed.as_strided(entry.shape, _contiguous_strides(entry.shape), entry.offset // dtype.itemsize))
-    return views
-
-
-def _exact_view(mapping: mmap.mmap, entry: SlotEntry) -> torch.Tensor:
-    """The tensor ``entry`` describes, on a storage that is exactly its bytes of ``mapping``."""
     dtype = _DTYPES[entry.dtype]
     numel = entry.nbytes // dtype.itemsize
     if numel == 0:
         return torch.empty(entry.shape, dtype=dtype)
     return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=entry.offset).view(entry.shape)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
