@@ -30,7 +30,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from moc_lightning.storage.integrity import METADATA_NAME, CorruptCheckpointError, checksum, load_metadata, verified
+from moc_lightning.storage.integrity import (
+    METADATA_NAME,
+    CorruptCheckpointError,
+    checksum,
+    commit_piece,
+    load_metadata,
+    verified,
+)
 from moc_lightning.storage.location import open_local_dir
 from moc_lightning.storage.objects import LocalObjects, fsync_dir, make_dirs_durable
 
@@ -123,18 +130,14 @@ class VerifyingFileSystemReader(FileSystemReader):
                 raise CorruptCheckpointError(str(self.path), f"data file {relative_path} is missing") from err
             with file:
                 for request in requests:
-                    data = self._item_bytes(file, self.storage_data[request.storage_index])
+                    info = self.storage_data[request.storage_index]
+                    data = self._item_bytes(file, info)
                     if request.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(request, io.BytesIO(data))
                         continue
-                    stored = _tensor(data, self.storage_data[request.storage_index])
-                    piece = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
-                    target = planner.resolve_tensor(request).detach()
-                    if target.size() != piece.size():
-                        raise ValueError(f"{request.storage_index.fqn}: stored piece {tuple(piece.size())} does not "
-                                         f"fit the requested {tuple(target.size())}")
-                    target.copy_(piece)
-                    planner.commit_tensor(request, target)
+                    piece = narrow_tensor_by_index(_tensor(data, info), request.storage_offsets, request.lengths)
+                    what = f"item {request.storage_index.fqn} in {relative_path}"
+                    commit_piece(planner, request, piece, str(self.path), what)
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -16,8 +16,10 @@ from collections import deque
 from typing import TypeVar
 
 import google_crc32c
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 METADATA_NAME = ".metadata"
 """DCP's name for the object whose presence makes a location a finished checkpoint (both backends)."""
@@ -57,6 +59,19 @@ def verified(checkpoint: str, what: str, data: bytes, length: int, crc: int) -> 
         detail = f"{what} fails its CRC32C check (stored {crc:#010x}, read {actual:#010x})"
         raise CorruptCheckpointError(checkpoint, detail)
     return data
+
+
+def commit_piece(planner: LoadPlanner, item: ReadItem, piece: torch.Tensor, checkpoint: str, what: str) -> None:
+    """Copy ``piece``, read for ``item`` from ``what`` of ``checkpoint``, into the planner's target for it.
+
+    A piece that does not fit its target means the checkpoint does not hold what its metadata says.
+    """
+    target = planner.resolve_tensor(item).detach()
+    if target.shape != piece.shape:
+        detail = f"{what} gave a piece of shape {tuple(piece.shape)} for a target of shape {tuple(target.shape)}"
+        raise CorruptCheckpointError(checkpoint, detail)
+    target.copy_(piece)
+    planner.commit_tensor(item, target)
 
 
 def load_metadata(checkpoint: str, data: bytes | None, load_id: str) -> Metadata:

@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import tensorstore as ts
-import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -58,7 +57,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from moc_lightning.storage.inflight import in_flight, settle
-from moc_lightning.storage.integrity import METADATA_NAME, CorruptCheckpointError, checksum, load_metadata, verified
+from moc_lightning.storage.integrity import (
+    METADATA_NAME,
+    CorruptCheckpointError,
+    checksum,
+    commit_piece,
+    load_metadata,
+    verified,
+)
 from moc_lightning.storage.location import kvstore_spec, open_kvstore
 from moc_lightning.storage.zarr_arrays import from_numpy, open_array, open_new_array, region, to_numpy
 
@@ -284,7 +290,8 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
             stores = {key: open_array(self.kvstore, key) for key in keys}
             started = (self._read_operation(item, stores) for item in tensor_reads)
             for item, read in in_flight(started, IN_FLIGHT_BYTES):  # reads change nothing: no need to settle
-                self._commit_box(item, from_numpy(read.result()), planner)
+                what = f"array {self.storage_data[item.storage_index].key}"
+                commit_piece(planner, item, from_numpy(read.result()), self.kvstore.url, what)
         self._read_values([item for item in plan.items if item.type == LoadItemType.BYTE_IO], planner)
         return _completed(None)
 
@@ -298,18 +305,6 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
             if message.split(":", 1)[0] not in CORRUPTION_STATUSES:
                 raise
             raise CorruptCheckpointError(self.kvstore.url, message) from err
-
-    def _commit_box(self, item: ReadItem, stored: torch.Tensor, planner: LoadPlanner) -> None:
-        """Copy a box read from storage into the planner's target for ``item``."""
-        target = planner.resolve_tensor(item).detach()
-        if target.shape != stored.shape:
-            raise CorruptCheckpointError(
-                self.kvstore.url,
-                f"array {self.storage_data[item.storage_index].key} gave a box of shape {tuple(stored.shape)} "
-                f"for a target of shape {tuple(target.shape)}",
-            )
-        target.copy_(stored)
-        planner.commit_tensor(item, target)
 
     def _read_operation(
         self, item: ReadItem, stores: dict[str, ts.Future]
