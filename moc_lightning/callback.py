@@ -8,7 +8,8 @@ Add it to a Trainer and resume through Lightning's usual door::
 
 Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (host tensors are copied
 there and then; GPU tensors on a side stream while the next forward/backward runs) and a background thread
-commits it; the next optimizer step waits only for what is not done. Every ``persist_every_n_snapshots`` snapshots one is persisted to storage in the background.
+commits it; the next optimizer step waits only for what is not done. Every ``persist_every_n_snapshots``
+snapshots one is persisted to storage in the background, and when ``fit`` ends every unit is persisted.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from
 surviving snapshots (this rank's or a peer's) or storage, and Lightning's loops, optimizer, schedulers and
 RNG from the state captured with the resume step.
@@ -331,7 +332,8 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     groups, start = [], 0
     for group in optimizer.param_groups:
         count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyperparameters, "params": list(range(start, start + count))})
         start += count
     return groups
 

@@ -8,10 +8,10 @@ Timeline of one snapshot step ``t`` (MoC-System Figures 3 and 9):
    forward/backward. Host tensors are copied at once, on the training thread: a CPU has no copy engine, and
    a copy on another thread competes with the next forward for the same cores and the GIL. Measured on 2
    cores (39 MB, `quick` benchmark model): on a background thread the copy took 5-12 ms and slowed the next
-   step; on the training thread, 2.6-4.4 ms.
+   step; on the training thread, 2.0-3.0 ms.
 2. ``wait_snapshot()`` before the optimizer step of ``t+1``: training waits here only if the snapshot is not
-   committed yet (with the batch-end work, the *stall*). When the snapshot is a persist one, its persist starts now, on another thread,
-   writing from the slot through DCP on a dedicated process group. At most one persist is in flight;
+   committed yet (with the batch-end work, the *stall*). When the snapshot is a persist one, its persist
+   starts now, on another thread, writing from the slot through DCP on a dedicated process group. At most one persist is in flight;
    when the previous one is still running, all ranks agree to skip this persist and count it.
 3. ``recover()`` at start-up: ranks exchange their slot inventories, plan the resume step and a source for
    every unit (:mod:`moc_lightning.recovery`), and restore from the local slot, a peer's slot (broadcast
@@ -75,6 +75,19 @@ class CheckpointStats:
 
 
 @dataclass(frozen=True)
+class _PendingSnapshot:
+    """A snapshot taken on the training thread whose commit is running in the background."""
+
+    commit: Future[tuple[SlotMeta, float]]
+    persist_units: tuple[Unit, ...] | None
+    """What its persist writes; ``None``: it is not persisted."""
+    taking_seconds: float
+    """The training thread's time in :meth:`TwoLevelCheckpointer.snapshot`."""
+    copy_seconds: float
+    """Of which the copy into the slot."""
+
+
+@dataclass(frozen=True)
 class RecoveryReport:
     """A two-level recovery as this rank saw it."""
 
@@ -123,7 +136,7 @@ class TwoLevelCheckpointer:
         self.stats = CheckpointStats()
         self._copier = background_executor("moc-snapshot")
         self._persister = background_executor("moc-persist")
-        self._snapshot: tuple[Future[tuple[SlotMeta, float, float]], tuple[Unit, ...] | None, float] | None = None
+        self._snapshot: _PendingSnapshot | None = None
         self._persist: Future[SaveReport] | None = None
         self._persisting_slot: int | None = None
         self._recovery_slot: int | None = None
@@ -148,8 +161,9 @@ class TwoLevelCheckpointer:
             self.store.reserve(nbytes)
         except OSError as err:
             raise OSError(
-                err.errno, f"cannot reserve {NUM_SLOTS} snapshot slots of {nbytes / 1e6:.1f} MB under {self.store.root} "
-                f"({err.strerror}); point checkpoint.shm_root at a larger tmpfs or lower checkpoint.k_snapshot"
+                err.errno,
+                f"cannot reserve {NUM_SLOTS} snapshot slots of {nbytes / 1e6:.1f} MB under {self.store.root} "
+                f"({err.strerror}); point checkpoint.shm_root at a larger tmpfs or lower checkpoint.k_snapshot",
             ) from err
 
     def snapshot(self, step: int, trainer_state: Mapping[str, Any] | None = None, may_persist: bool = True) -> None:
@@ -186,44 +200,42 @@ class TwoLevelCheckpointer:
 
         start = time.perf_counter()
         entries, stream = self.store.fill(slot, tensors, midway)
-        filled = time.perf_counter() - start
-        future = self._copier.submit(
-            self._commit_snapshot, slot, step, tuple(u.key for u in mine), entries, extra, trainer_state, stream, filled
+        filled = time.perf_counter()
+        commit = self._copier.submit(
+            self._commit_snapshot, slot, step, tuple(u.key for u in mine), entries, extra, trainer_state, stream
         )
-        self._snapshot = (future, persist_units, time.perf_counter() - taking)
+        self._snapshot = _PendingSnapshot(commit, persist_units, filled - taking, filled - start)
 
     def _commit_snapshot(
         self, slot: int, step: int, units: tuple[str, ...], entries: Mapping[str, SlotEntry], extra: dict[str, Any],
-        trainer_state: Mapping[str, Any] | None, stream: torch.cuda.Stream | None, filled: float,
-    ) -> tuple[SlotMeta, float, float]:
-        """Commit the filled slot; returns it, the fill's duration and the snapshot's (fill + this), not the
-        time until someone waited for it.
+        trainer_state: Mapping[str, Any] | None, stream: torch.cuda.Stream | None,
+    ) -> tuple[SlotMeta, float]:
+        """Commit the filled slot; returns it and the commit's own duration.
 
         The trainer state is serialised here, off the training thread: it is a fresh dict of plain values.
         """
         start = time.perf_counter()
         extra["trainer"] = encode_state(trainer_state)
         meta = self.store.finish(slot, step, units, entries, extra, stream)
-        return meta, filled, filled + time.perf_counter() - start
+        return meta, time.perf_counter() - start
 
-    def wait_snapshot(self) -> float:
-        """Block until the running snapshot is copied and committed; returns the seconds waited."""
-        if self._snapshot is None:
-            return 0.0
-        future, persist_units, taking = self._snapshot
+    def wait_snapshot(self) -> None:
+        """Block until the running snapshot is copied and committed, and account it."""
+        pending = self._snapshot
+        if pending is None:
+            return
         waited = time.perf_counter()
-        meta, copy_seconds, snapshot_seconds = future.result()
-        done = time.perf_counter()
+        meta, commit_seconds = pending.commit.result()
+        wait = time.perf_counter() - waited
         self._snapshot = None
         self.stats.snapshots += 1
-        self.stats.stall_seconds.append(taking + done - waited)
-        self.stats.wait_seconds.append(done - waited)
-        self.stats.copy_seconds.append(copy_seconds)
-        self.stats.snapshot_seconds.append(snapshot_seconds)
+        self.stats.stall_seconds.append(pending.taking_seconds + wait)
+        self.stats.wait_seconds.append(wait)
+        self.stats.copy_seconds.append(pending.copy_seconds)
+        self.stats.snapshot_seconds.append(pending.copy_seconds + commit_seconds)
         self.stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
-        if persist_units is not None:
-            self._start_persist(meta, persist_units)
-        return done - waited
+        if pending.persist_units is not None:
+            self._start_persist(meta, pending.persist_units)
 
     def _all_ranks_free_to_persist(self) -> bool:
         """Every rank must agree, or the persist's collectives would not match across ranks."""
