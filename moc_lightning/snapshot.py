@@ -89,8 +89,11 @@ def layout_entries(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, SlotE
 class SnapshotStore:
     """This rank's triple buffer of snapshot slots in node-local shared memory."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], pin_device: torch.device | None = None) -> None:
+        """``pin_device``: the CUDA device training runs on; its slots are page-locked for that device's
+        copies. ``None`` (CPU training): nothing is pinned."""
         self.root = Path(root)
+        self.pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self.root.mkdir(parents=True, exist_ok=True)
         self._mappings: dict[int, mmap.mmap] = {}
         self._steps: dict[int, int] | None = None
@@ -171,9 +174,10 @@ class SnapshotStore:
         finally:
             os.close(fd)
         if previous is not None:
-            _unpin(previous)
+            self._unpin(previous)
             self._targets = {k: v for k, v in self._targets.items() if k[0] != slot}
-        _pin(mapping)
+        if self.pin_device is not None:
+            _cuda_call("cudaHostRegister", self.pin_device, _address(mapping), len(mapping), _HOST_REGISTER_PORTABLE)
         self._mappings[slot] = mapping
         return mapping
 
@@ -250,6 +254,11 @@ class SnapshotStore:
             self._targets[(slot, signature)] = cached
         return cached
 
+    def _unpin(self, mapping: mmap.mmap) -> None:
+        """Undo the page-locking of a mapping that is being replaced or removed."""
+        if self.pin_device is not None:
+            _cuda_call("cudaHostUnregister", self.pin_device, _address(mapping))
+
     def read(self, meta: SlotMeta, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         """The tensors of a committed slot, zero-copy (valid until the slot is reused)."""
         mapping = self._map(meta.slot, 0)
@@ -258,11 +267,17 @@ class SnapshotStore:
 
     def clear(self) -> None:
         """Remove every slot of this rank (a fresh start)."""
+        self.remove()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def remove(self) -> None:
+        """Remove every slot of this rank and its folder (the run is over)."""
+        for mapping in self._mappings.values():
+            self._unpin(mapping)
         self._mappings.clear()
         self._targets.clear()
         self._steps = {}
         shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True, exist_ok=True)
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -276,16 +291,22 @@ def _side_stream() -> torch.cuda.Stream:
     return stream
 
 
-def _pin(mapping: mmap.mmap) -> None:
-    """Page-lock a shared-memory slot so device-to-host copies run asynchronously at full bandwidth."""
-    if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostRegister(_address(mapping), len(mapping), 0)
+_HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the pages count as pinned for every CUDA context, not only the caller's."""
 
 
-def _unpin(mapping: mmap.mmap) -> None:
-    """Undo :func:`_pin` for a mapping that is being replaced by a larger one."""
-    if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(_address(mapping))
+def _cuda_call(name: str, device: torch.device, *args: int) -> None:
+    """Call a CUDA runtime function on ``device`` (slots are mapped on the copy thread, whose current device
+    is not the rank's) and raise if it fails: an unpinned slot would silently turn the side-stream copy
+    into a synchronous one."""
+    with torch.cuda.device(device):
+        result = getattr(torch.cuda.cudart(), name)(*args)
+    code = int(getattr(result, "value", result))
+    if code != 0:
+        raise RuntimeError(
+            f"{name} failed on {device} with CUDA error {code} ({result}) for a snapshot slot; "
+            "check the locked-memory limit (ulimit -l) and checkpoint.shm_root"
+        )
 
 
 def _address(mapping: mmap.mmap) -> int:
