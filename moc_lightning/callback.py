@@ -21,6 +21,7 @@ and ``expert_topology`` (an :class:`ExpertParallelTopology`; without it every ra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,12 +37,16 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer import call as _call
 
+from moc_lightning.agreement import check_same
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.layout import build_layout
+from moc_lightning.lineage import Lineage
+from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
+from moc_lightning.start import agreed_manifest, begin_lineage
 from moc_lightning.storage import make_storage
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 
@@ -60,28 +65,33 @@ class MoCCheckpoint(Checkpoint):
         self._last_step = -1
         self._slots_sized = False
         self._restored_state: dict[str, Any] | None = None
+        self._fresh_start = False
 
     # ------------------------------------------------------------ resuming
     def resume_target(self, default_root_dir: str | Path | None = None) -> str | None:
-        """The ``ckpt_path`` that resumes through MoC, or ``None`` when nothing was saved yet.
+        """The ``ckpt_path`` that resumes through MoC, or ``None`` when there is nothing to resume.
 
-        Looks at the manifest in storage and at this node's snapshot slots (both survive a restart).
+        A cheap hint, read before the process group exists: the storage URL when ``resume=auto`` and a
+        manifest is committed there (every run commits one before its first snapshot, so this also covers a
+        restart before the first persist). Storage is shared, so every rank gets the same answer; whether and
+        from where to resume is decided collectively once the process group exists (:meth:`restore`).
         """
         if self.config.resume == "never":
             return None
         self._default_url(default_root_dir)
         storage = make_storage(self.config.storage.backend, self.config.storage.url)
-        rank = _env_rank()
-        slots = self._slot_root(rank)
-        has_slots = slots.exists() and any(slots.rglob("meta.json"))
-        return self.config.storage.url if storage.get(MANIFEST) is not None or has_slots else None
+        return self.config.storage.url if storage.get(MANIFEST) is not None else None
 
     def _default_url(self, default_root_dir: str | Path | None) -> None:
         if not self.config.storage.url and default_root_dir is not None:
             self.config.storage.url = (Path(default_root_dir) / "checkpoints").resolve().as_uri()
 
+    def _run_root(self) -> Path:
+        """This run's folder under the shared-memory root: one per storage URL."""
+        return Path(self.config.shm_root) / hashlib.sha1(self.config.storage.url.encode()).hexdigest()[:12]
+
     def _slot_root(self, rank: int) -> Path:
-        run_id = hashlib.sha1(self.config.storage.url.encode()).hexdigest()[:12]
+        run_id = self._run_root().name
         return node_root(self.config.shm_root, run_id, rank, self.config.ranks_per_node) / f"rank{rank}"
 
     # ---------------------------------------------------------------- set-up
@@ -90,6 +100,14 @@ class MoCCheckpoint(Checkpoint):
         self._trainer, self._module = trainer, pl_module
         if not isinstance(trainer.strategy.checkpoint_io, _MoCCheckpointIO):
             trainer.strategy.checkpoint_io = _MoCCheckpointIO(trainer.strategy.checkpoint_io, self)
+        if stage == "fit":
+            resuming = trainer.strategy.checkpoint_io.is_moc(trainer.ckpt_path)
+            if resuming and self.config.resume == "never":
+                raise ValueError(
+                    f"fit was given ckpt_path={trainer.ckpt_path!r}, the MoC storage URL, but checkpoint.resume=never; "
+                    "pass ckpt_path=moc.resume_target() (None with resume=never) or set checkpoint.resume=auto"
+                )
+            check_same(resuming, "whether to resume through MoC (fit's ckpt_path is the MoC storage URL)")
 
     def _build_engine(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer | None) -> None:
         """Create the engine once per process (the persist process group is collective to create)."""
@@ -105,26 +123,34 @@ class MoCCheckpoint(Checkpoint):
         )
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
-        check_shm_root(self.config, pec, slot_root)
+        check_shm_root(self.config, pec, slot_root.parent)
         if faults.lost_node and slot_root.parent == self._slot_root(faults.faulty_rank).parent:
             lose_node(slot_root.parent)
         if dist.is_initialized():
             dist.barrier()  # a lost node is gone before anyone takes inventory
-        self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root), faults)
+        self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
 
     def restore(self) -> dict[str, Any]:
-        """Two-level recovery, returned as the checkpoint dict Lightning restores loops and optimizers from."""
+        """Two-level recovery, returned as the checkpoint dict Lightning restores loops and optimizers from.
+
+        Collective: every rank plans from the same manifest and the slot inventories of all ranks. When no
+        consistent state of this run survives, training starts over from step 0 in the same lineage (one line
+        says why) instead of failing on every restart.
+        """
         module = self._module
         optimizer = _fresh_optimizer(module)
         self._build_engine(module, optimizer)
-        report = self.engine.recover()
+        engine = self.engine
+        manifest = agreed_manifest(engine.pec)
+        fingerprint = lineage_fingerprint(engine.pec.layout)
+        if manifest.lineage is None:
+            return self._fresh_checkpoint(module, f"no MoC manifest under {self.config.storage.url}")
+        Lineage(manifest.lineage.run_id, fingerprint).check_same_run(manifest.lineage, self.config.storage.url)
+        report = engine.recover(manifest)
         if report is None:
-            raise FileNotFoundError(
-                f"nothing to resume from: no committed checkpoint under {self.config.storage.url} and no "
-                "complete snapshot on any rank"
-            )
+            return self._fresh_checkpoint(module, "no consistent state of this run survives in memory or storage")
         self.recovery = report
         self._write_recovery_report(report)
         checkpoint = dict(report.trainer_state or {})
@@ -135,6 +161,25 @@ class MoCCheckpoint(Checkpoint):
         checkpoint["optimizer_states"] = [optimizer_state]
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.engine.pec.state_dict()
         return checkpoint
+
+    def _fresh_checkpoint(self, module: L.LightningModule, why: str) -> dict[str, Any]:
+        """What Lightning restores when there is nothing to resume: the module as it is, fresh everything else."""
+        if self.engine.lineage is None:
+            self.engine.lineage = begin_lineage(self.engine.pec, lineage_fingerprint(self.engine.pec.layout), why)
+            self.engine.store.clear()
+        self.recovery = None
+        self._fresh_start = True
+        if self.engine.rank == 0:
+            print(f"[moc_lightning] nothing to resume ({why}); training starts from step 0 "
+                  f"in lineage {self.engine.lineage.run_id}")
+        return {
+            "pytorch-lightning_version": L.__version__,
+            "epoch": 0,
+            "global_step": 0,
+            "state_dict": module.state_dict(),
+            "optimizer_states": [],
+            "lr_schedulers": [],
+        }
 
     def _write_recovery_report(self, report: RecoveryReport) -> None:
         rank = self.engine.rank
@@ -155,7 +200,12 @@ class MoCCheckpoint(Checkpoint):
     # ------------------------------------------------------------- training
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
-        if self.recovery is None and self.config.resume == "never":
+        if self.engine.lineage is None:  # not resumed: this run begins its own lineage
+            reason = (
+                "checkpoint.resume=never" if self.config.resume == "never"
+                else "fit was not given ckpt_path=moc.resume_target()"
+            )
+            self.engine.lineage = begin_lineage(self.engine.pec, lineage_fingerprint(self.engine.pec.layout), reason)
             self.engine.store.clear()
         self._last_step = trainer.global_step
         self._slots_sized = False
@@ -212,6 +262,22 @@ class MoCCheckpoint(Checkpoint):
                       f"k_persist={self.engine.pec.dynamic_k.k_persist} experts per layer); no final full persist")
         if trainer.is_global_zero:
             print(self.summary())
+        if self.config.remove_snapshots_on_fit_end:
+            self._remove_snapshots()
+
+    def _remove_snapshots(self) -> None:
+        """A finished run's slots are of no further use (its last step is persisted): free the shared memory.
+
+        Every rank removes its own slots, then (after all have) the node's folder of this run, which may hold
+        slots of ranks an earlier world size had.
+        """
+        self.engine.store.remove()
+        if dist.is_initialized():
+            dist.barrier()
+        node = self._slot_root(self.engine.rank).parent
+        shutil.rmtree(node, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            node.parent.rmdir()  # the run's folder, once no node of it is left on this machine
 
     def summary(self) -> str:
         """Where the checkpoints are, what was taken, bytes against eq. 5/6, and the mean stall."""
@@ -254,11 +320,13 @@ class MoCCheckpoint(Checkpoint):
             _set_rng_states(checkpoint["moc_rng"])
 
 
-def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Path) -> None:
+def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:
     """Fail before training when the shared-memory root is missing or cannot hold this node's slots.
 
     Every rank of the node keeps ``NUM_SLOTS`` slots there, each sized by
-    :meth:`PECCheckpointer.snapshot_share_bytes`.
+    :meth:`PECCheckpointer.snapshot_share_bytes` (with the optimizer state a step creates, when the
+    optimizer has none yet). Slots this run already has on the node (``node_root``, every local rank's,
+    from before a restart) are reused, so they count as free: a restart of a job that fitted fits.
     """
     root = Path(config.shm_root)
     if not root.parent.is_dir():
@@ -266,10 +334,10 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Pa
             f"checkpoint.shm_root={config.shm_root} cannot be created: {root.parent} does not exist; "
             "point it at a node-local tmpfs such as /dev/shm/moc_lightning"
         )
-    per_slot = pec.snapshot_share_bytes()
+    per_slot = pec.snapshot_share_bytes(with_optimizer_state=True)
     local_ranks = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = int(NUM_SLOTS * per_slot * local_ranks)
-    free = shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(slot_root)
+    free = shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(node_root)
     if free < needed:
         raise ValueError(
             f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the snapshot slots need "
@@ -278,9 +346,9 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, slot_root: Pa
         )
 
 
-def _already_used(slot_root: Path) -> int:
-    """Bytes this rank's existing slots occupy (they are reused, so they count as available)."""
-    return sum(p.stat().st_size for p in slot_root.rglob("data")) if slot_root.exists() else 0
+def _already_used(node_root: Path) -> int:
+    """Bytes this run's existing slots on this node occupy (they are reused, so they count as available)."""
+    return sum(p.stat().st_size for p in node_root.rglob("data")) if node_root.exists() else 0
 
 
 class _MoCCheckpointIO(CheckpointIO):
@@ -290,12 +358,13 @@ class _MoCCheckpointIO(CheckpointIO):
         self.delegate = delegate
         self.callback = callback
 
-    def _is_moc(self, path: Any) -> bool:
+    def is_moc(self, path: Any) -> bool:
+        """Whether ``path`` (fit's ``ckpt_path``) names the MoC storage URL, i.e. asks to resume through MoC."""
         url = self.callback.config.storage.url
-        return str(path) in (url, url.removeprefix("file://"))
+        return path is not None and str(path) in (url, url.removeprefix("file://"))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        if self._is_moc(path):
+        if self.is_moc(path):
             return self.callback.restore()
         return self.delegate.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
@@ -354,14 +423,6 @@ def _replicated_topology() -> ExpertParallelTopology:
     if dist.is_available() and dist.is_initialized():
         return ExpertParallelTopology(world_size=dist.get_world_size(), rank=dist.get_rank(), ep=1)
     return ExpertParallelTopology()
-
-
-def _env_rank() -> int:
-    """This process's global rank before the process group exists (torchrun, SLURM, Lightning's launcher)."""
-    for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if name in os.environ:
-            return int(os.environ[name])
-    return 0
 
 
 def _num_experts(pl_module: L.LightningModule) -> int | None:

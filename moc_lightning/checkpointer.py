@@ -29,6 +29,7 @@ from moc_lightning.config import CheckpointConfig
 from moc_lightning.distributed import collective_device
 from moc_lightning.layout import Layout, materialize_optimizer_state, param_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
+from moc_lightning.lineage import Lineage, LineageError
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
@@ -51,8 +52,10 @@ class UnreadableCheckpoint(Exception):
         self.name = name
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:09d}"
+def checkpoint_name(step: int, final: bool = False) -> str:
+    """Where the checkpoint of ``step`` lives; ``final``: the complete persist that supersedes a partial one
+    of the same step (a separate location, so the committed partial one is never overwritten)."""
+    return f"step_{step:09d}" + ("_final" if final else "")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,11 @@ class PECCheckpointer:
         self._pending_assigned = [0] * len(num_experts)
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
         self._param_sources: dict[str, dict[str, Any]] | None = None
+        self.lineage: Lineage | None = None
+        """The run this engine's checkpoints belong to; ``None`` when the engine is used on its own."""
+        self._k_choice_said: str | None = None
+        self.stored_base: dict[str, int] = {}
+        """Unit key -> step of its newest stored version when this process started (or recovered)."""
 
     def attach(self, layout: Layout) -> None:
         """Use ``layout`` from now on (same model, new optimizer object: after Lightning re-creates it)."""
@@ -177,13 +185,18 @@ class PECCheckpointer:
         if steps:
             self.ledger.prune(min(steps))
 
-    def select(self, index: int, persist: bool) -> Selection:
-        """The experts checkpoint number ``index`` snapshots (and persists, if ``persist``); advances the policy."""
+    def select(self, index: int, persist: bool, persisted: Sequence[SaveReport] | None = None) -> Selection:
+        """The experts checkpoint number ``index`` snapshots (and persists, if ``persist``); advances the policy.
+
+        ``load_aware`` needs the step each expert is stored at. With ``persisted`` (the persists every rank
+        has seen succeed, in order) it is taken from :attr:`stored_base` plus those, the same on every rank;
+        without it, from the manifest (safe only when no persist can be committing, as in :meth:`checkpoint`).
+        """
         unsaved = None
         if self.cfg.selection == "load_aware":
-            manifest = self.read_manifest()
+            stored = self._stored_steps(persisted)
             steps = [
-                [_stored_step(manifest, ExpertUnit(layer, e)) for e in range(n)]
+                [stored.get(ExpertUnit(layer, e).key, NEVER) for e in range(n)]
                 for layer, n in enumerate(self.layout.num_experts)
             ]
             since = self.ledger.tokens_since(steps)
@@ -191,6 +204,14 @@ class PECCheckpointer:
         return self.policy.select(
             index, self.dynamic_k.k_snapshot, self.dynamic_k.k_persist, persist=persist, unsaved=unsaved
         )
+
+    def _stored_steps(self, persisted: Sequence[SaveReport] | None) -> dict[str, int]:
+        if persisted is None:
+            return stored_steps(self.read_manifest())
+        steps = dict(self.stored_base)
+        for report in persisted:
+            steps.update(dict.fromkeys(report.units, report.step))
+        return steps
 
     def persist(
         self,
@@ -201,15 +222,17 @@ class PECCheckpointer:
         engine_state: dict[str, Any] | None = None,
         trainer_state: str | None = None,
         before_commit: Callable[[], None] | None = None,
+        supersede: bool = False,
     ) -> SaveReport:
         """Write ``units`` (all ranks' share) as checkpoint ``step`` and commit it in the manifest.
 
         By default this rank writes the rows the ownership gives it, from the live tensors. With
         ``from_slot`` it writes those tensors (a snapshot slot: whole units it owns) as they are, and
-        ``engine_state``/``trainer_state`` are the states captured with that snapshot.
+        ``engine_state``/``trainer_state`` are the states captured with that snapshot. ``supersede``: replace
+        the latest committed checkpoint, of the same step, whose units are a subset of ``units``.
         """
         start = time.perf_counter()
-        name = checkpoint_name(step)
+        name = checkpoint_name(step, final=supersede)
         if from_slot is None:
             state = self.layout.tensors([u for u in units if u in self.layout.slots])
             writes = self._writes(units, state)
@@ -234,7 +257,7 @@ class PECCheckpointer:
         retired: list[str] = []
         if self._is_coordinator:
             description = self._describe(record, param_sources, engine_state or self.state_dict(), trainer_state)
-            retired = self._commit(record, description)
+            retired = self._commit(record, description, supersede)
         self._barrier()
         report = SaveReport(
             step=step,
@@ -248,12 +271,23 @@ class PECCheckpointer:
             self.storage.delete(retired_name)
         return report
 
-    def _commit(self, record: CheckpointRecord, description: dict[str, Any]) -> list[str]:
+    def _commit(self, record: CheckpointRecord, description: dict[str, Any], supersede: bool = False) -> list[str]:
         """Self-description first, then the manifest (the commit point); returns what retention retired, for
         the caller to delete once the commit is done."""
         self.storage.put(f"{record.name}/moc.json", json.dumps(description).encode())
         current = self.read_manifest()
-        manifest, removed = current.with_record(record).retire(self.cfg.retention)
+        if self.lineage is not None and (current.lineage is None or current.lineage.run_id != self.lineage.run_id):
+            found = current.lineage.run_id if current.lineage else "none"
+            raise LineageError(
+                f"{self.storage.url} now belongs to lineage {found}, not to this run's ({self.lineage.run_id}); "
+                f"checkpoint {record.name} is not committed (did another run start at the same storage URL?)"
+            )
+        if supersede:
+            replaced = current.latest
+            manifest, removed = current.superseded_by(record).retire(self.cfg.retention)
+            removed.append(replaced.name)
+        else:
+            manifest, removed = current.with_record(record).retire(self.cfg.retention)
         self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
         self.storage.put(MANIFEST, manifest.to_json())
         return removed
@@ -273,6 +307,7 @@ class PECCheckpointer:
         held = set(record.units)
         return {
             "record": dataclasses.asdict(record),
+            "lineage": self.lineage.stamp() if self.lineage is not None else None,
             "engine": engine_state,
             "trainer": trainer_state,
             "layout": {
@@ -343,14 +378,22 @@ class PECCheckpointer:
         """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it."""
         return self.layout.unit_bytes(self.local_twin(unit)).total
 
-    def snapshot_share_bytes(self) -> int:
+    def snapshot_share_bytes(self, with_optimizer_state: bool = False) -> int:
         """What one rank's snapshot slot should hold at the current ``k_snapshot``.
 
         Snapshot ownership spreads the dense units and ``k_snapshot`` experts per MoE layer over the ranks
         in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance.
+        ``with_optimizer_state``: before the optimizer's first step (no state yet), count the state it will
+        create (:func:`expected_state_ratio` of the weights).
         """
-        dense = [self.unit_nbytes(u) for u in self.layout.dense_units]
-        experts = [self.unit_nbytes(ExpertUnit(layer, 0)) for layer in range(len(self.layout.num_experts))]
+        def nbytes(unit: Unit) -> int:
+            size = self.layout.unit_bytes(self.local_twin(unit))
+            if with_optimizer_state and size.optimizer == 0:
+                return size.weights + int(size.weights * expected_state_ratio(self.layout.optimizer))
+            return size.total
+
+        dense = [nbytes(u) for u in self.layout.dense_units]
+        experts = [nbytes(ExpertUnit(layer, 0)) for layer in range(len(self.layout.num_experts))]
         total = sum(dense) + self.dynamic_k.k_snapshot * sum(experts)
         return -(-total // self.topology.world_size) + max(dense + experts, default=0)
 
@@ -372,9 +415,9 @@ class PECCheckpointer:
                   f"(latest step {manifest.latest.step if manifest.latest else None})")
             return manifest
 
-    def read_description(self, step: int) -> dict[str, Any]:
-        """The ``moc.json`` of the checkpoint of ``step``: its record, engine and trainer state, parameter map."""
-        name = checkpoint_name(step)
+    def read_description(self, record: CheckpointRecord) -> dict[str, Any]:
+        """The ``moc.json`` of checkpoint ``record``: its record, engine and trainer state, parameter map."""
+        name = record.name
         data = self.storage.get(f"{name}/moc.json")
         if data is None:
             raise UnreadableCheckpoint(name, f"{name}/moc.json is missing")
@@ -397,6 +440,13 @@ class PECCheckpointer:
                 manifest = self.forget(manifest, bad)
         return None
 
+    def commit_lineage(self, manifest: Manifest) -> None:
+        """Commit ``manifest``, whose records are the committed ones and whose lineage gained a segment
+        (collective; the coordinator writes)."""
+        if self._is_coordinator:
+            self.storage.put(MANIFEST, manifest.to_json())
+        self._barrier()
+
     def forget(self, manifest: Manifest, bad: UnreadableCheckpoint) -> Manifest:
         """Drop an unreadable checkpoint from ``manifest`` and commit that, so nothing builds on it again."""
         print(f"[moc_lightning] {bad}; falling back to the versions stored before {bad.name}")
@@ -408,7 +458,7 @@ class PECCheckpointer:
 
     def _load_newest(self, manifest: Manifest) -> LoadReport:
         latest = manifest.latest
-        self.load_state_dict(self.read_description(latest.step)["engine"])
+        self.load_state_dict(self.read_description(latest)["engine"])
         self.prepare_for_load()
         sources = {unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()}
         missing = [u.key for u in self.layout.dense_units if sources[u] is not latest]
@@ -476,10 +526,15 @@ class PECCheckpointer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the engine state of a checkpoint; K follows :meth:`DynamicK.load_state_dict` (and says so)."""
         self.snapshots_taken = int(state["snapshots_taken"])
         self.policy.load_state_dict(state["selection"])
         self.ledger.load_state_dict(state["ledger"])
         self.dynamic_k.load_state_dict(state["dynamic_k"])
+        choice = self.dynamic_k.describe_choice(state["dynamic_k"])
+        if choice is not None and self.topology.rank == 0 and choice != self._k_choice_said:
+            print(f"[moc_lightning] {choice}")
+            self._k_choice_said = choice
 
     @property
     def _is_coordinator(self) -> bool:
@@ -488,6 +543,17 @@ class PECCheckpointer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.process_group)
+
+
+def expected_state_ratio(optimizer: torch.optim.Optimizer | None) -> float:
+    """Optimizer state per byte of weights, for sizing before the optimizer has created any: two moments for
+    the Adam family, one buffer for SGD with momentum and Adagrad, two (the Adam case) when unknown."""
+    if optimizer is None:
+        return 0.0
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1.0 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0.0
+    return {"Adagrad": 1.0, "RMSprop": 1.0, "Adadelta": 2.0}.get(name, 2.0)
 
 
 def _whole_rows(tensor: torch.Tensor) -> RowRange:
@@ -499,8 +565,8 @@ def _unit_rows(layout: Layout, unit: Unit) -> int:
     return max([t.shape[0] for t in layout.tensors([unit]).values() if t.dim() > 0] or [1])
 
 
-def _stored_step(manifest: Manifest, unit: Unit) -> int:
-    record = manifest.newest(unit.key)
-    return record.step if record else NEVER
+def stored_steps(manifest: Manifest) -> dict[str, int]:
+    """Unit key -> step of its newest version listed in ``manifest``."""
+    return {unit: record.step for record in manifest.records for unit in record.units}
 
 

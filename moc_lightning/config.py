@@ -87,6 +87,10 @@ class CheckpointConfig:
     persist_on_fit_end: bool = True
     """When ``fit`` ends, persist every unit (dense and all experts) at the last step, as ``ModelCheckpoint``'s
     ``save_last`` would: a finished run leaves one complete checkpoint, not experts spread over earlier steps."""
+    remove_snapshots_on_fit_end: bool = True
+    """When ``fit`` ends, remove this run's snapshot slots from shared memory. Set it to ``false`` to keep them
+    for a planned restart that should resume from memory (with ``persist_on_fit_end=false``, the slots may hold
+    the only copy of the last steps' experts)."""
 
     def __post_init__(self) -> None:
         _require_at_least("checkpoint.k_snapshot", self.k_snapshot, 1)

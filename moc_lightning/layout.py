@@ -146,6 +146,10 @@ class Layout:
         chosen = self.units if units is None else units
         return {key: tensor for unit in chosen for key, tensor, _ in self._entries(unit)}
 
+    def weights(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
+        """The model tensors of ``units`` (no optimizer state), as in :meth:`tensors`."""
+        return {key: tensor for unit in units for key, tensor, is_weight in self._entries(unit) if is_weight}
+
     def unit_bytes(self, unit: Unit) -> UnitBytes:
         """Bytes the unit would write now; optimizer bytes are 0 until the optimizer has created its state."""
         weights = optimizer = numel = 0

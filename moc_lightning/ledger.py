@@ -206,11 +206,15 @@ class DynamicK:
     k_persist: int
     num_experts: int
     threshold: float = DEFAULT_PLT_THRESHOLD
+    raised: bool = False
+    """Whether Dynamic-K has raised K in this run's lineage (restored state keeps its K only then)."""
 
     def __post_init__(self) -> None:
         check_k(self.k_snapshot, self.k_persist, self.num_experts)
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"plt_threshold must be in (0, 1), got {self.threshold}")
+        self.configured = (self.k_snapshot, self.k_persist)
+        """The K the user set for this process; it wins over a restored K that Dynamic-K did not raise."""
 
     def after_recovery(self, report: FaultReport, accumulated_plt: float) -> bool:
         """Adjust K after the recovery ``report``, with ``accumulated_plt`` over all faults so far.
@@ -224,12 +228,31 @@ class DynamicK:
             self.k_persist = min(2 * self.k_persist, self.num_experts)
             projected /= 2
             changed = True
+        self.raised = self.raised or changed
         return changed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"k_snapshot": self.k_snapshot, "k_persist": self.k_persist}
+        return {"k_snapshot": self.k_snapshot, "k_persist": self.k_persist, "raised": self.raised}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_k(int(state["k_snapshot"]), int(state["k_persist"]), self.num_experts)
-        self.k_snapshot = int(state["k_snapshot"])
-        self.k_persist = int(state["k_persist"])
+        """Take K from a restored run: the configured K wins, unless Dynamic-K had raised K above it.
+
+        A user who restarts with another ``k_snapshot``/``k_persist`` means it; a K that Dynamic-K raised
+        after faults is kept (never lowered by a restart), and raised further if the user asks for more.
+        """
+        restored = (int(state["k_snapshot"]), int(state["k_persist"]))
+        check_k(*restored, self.num_experts)
+        self.raised = bool(state.get("raised", False))
+        chosen = tuple(max(c, r) for c, r in zip(self.configured, restored)) if self.raised else self.configured
+        self.k_snapshot, self.k_persist = chosen
+
+    def describe_choice(self, state: Mapping[str, Any]) -> str | None:
+        """One line saying which K won when a restored state differs from the configured K; ``None`` if equal."""
+        restored = (int(state["k_snapshot"]), int(state["k_persist"]))
+        if restored == self.configured:
+            return None
+        why = "Dynamic-K had raised it" if self.raised else "the configured K wins unless Dynamic-K raised K"
+        return (
+            f"k_snapshot/k_persist: restored {restored[0]}/{restored[1]}, configured {self.configured[0]}/"
+            f"{self.configured[1]}; using {self.k_snapshot}/{self.k_persist} ({why})"
+        )

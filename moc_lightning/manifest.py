@@ -12,8 +12,10 @@ Pure data: (de)serialisation validates everything and raises :class:`ManifestErr
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+
+from moc_lightning.lineage import Lineage
 
 FORMAT_VERSION = 1
 
@@ -51,9 +53,11 @@ class CheckpointRecord:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Committed checkpoints, oldest first."""
+    """Committed checkpoints, oldest first, and the lineage they belong to."""
 
     records: tuple[CheckpointRecord, ...] = field(default_factory=tuple)
+    lineage: Lineage | None = None
+    """The run these checkpoints belong to (``None`` for a manifest written by the engine alone)."""
 
     @property
     def latest(self) -> CheckpointRecord | None:
@@ -66,6 +70,12 @@ class Manifest:
                 return record
         return None
 
+    def at_step(self, step: int) -> CheckpointRecord:
+        for record in self.records:
+            if record.step == step:
+                return record
+        raise KeyError(f"no committed checkpoint of step {step}")
+
     def by_name(self, name: str) -> CheckpointRecord:
         for record in self.records:
             if record.name == name:
@@ -76,11 +86,22 @@ class Manifest:
         """This manifest plus ``record``, which must be newer than every listed checkpoint."""
         if self.records and record.step <= self.records[-1].step:
             raise ValueError(f"checkpoint at step {record.step} is not newer than step {self.records[-1].step}")
-        return Manifest(self.records + (record,))
+        return replace(self, records=self.records + (record,))
+
+    def superseded_by(self, record: CheckpointRecord) -> Manifest:
+        """This manifest with ``record`` replacing the latest checkpoint, which is of the same step and holds a
+        subset of ``record``'s units (the complete final persist of a step that was persisted partially)."""
+        latest = self.latest
+        if latest is None or latest.step != record.step or not set(latest.units) <= set(record.units):
+            raise ValueError(f"checkpoint {record.name} does not supersede the latest checkpoint {latest}")
+        return replace(self, records=self.records[:-1] + (record,))
 
     def without(self, names: set[str]) -> Manifest:
         """This manifest without the checkpoints called ``names`` (a fallback after corruption)."""
-        return Manifest(tuple(r for r in self.records if r.name not in names))
+        return replace(self, records=tuple(r for r in self.records if r.name not in names))
+
+    def with_lineage(self, lineage: Lineage) -> Manifest:
+        return replace(self, lineage=lineage)
 
     def retire(self, retention: int) -> tuple[Manifest, list[str]]:
         """Apply retention: keep the newest ``retention`` checkpoints and any holding a unit's newest version.
@@ -93,10 +114,13 @@ class Manifest:
         newest_of_some_unit = {self.newest(unit).name for r in self.records for unit in r.units}
         kept = tuple(r for r in self.records if r.name in keep or r.name in newest_of_some_unit)
         removed = [r.name for r in self.records if r not in kept]
-        return Manifest(kept), removed
+        return replace(self, records=kept), removed
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT_VERSION, "records": [asdict(r) for r in self.records]}, indent=1).encode()
+        raw = {"format": FORMAT_VERSION, "records": [asdict(r) for r in self.records]}
+        if self.lineage is not None:
+            raw["lineage"] = self.lineage.to_json()
+        return json.dumps(raw, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
@@ -115,7 +139,11 @@ class Manifest:
         steps = [r.step for r in parsed]
         if steps != sorted(set(steps)):
             raise ManifestError(f"manifest steps must be strictly increasing, got {steps}")
-        return cls(parsed)
+        try:
+            lineage = Lineage.from_json(raw["lineage"]) if "lineage" in raw else None
+        except ValueError as err:
+            raise ManifestError(f"manifest lineage is invalid: {err}") from err
+        return cls(parsed, lineage)
 
 
 _FIELD_TYPES = {"name": str, "step": int, "strategy": str, "world_size": int, "ep": int, "backend": str}

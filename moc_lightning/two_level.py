@@ -38,10 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moc_lightning.agreement import from_coordinator
 from moc_lightning.background import background_executor
-from moc_lightning.checkpointer import PECCheckpointer, SaveReport, UnreadableCheckpoint
+from moc_lightning.checkpointer import PECCheckpointer, SaveReport, UnreadableCheckpoint, stored_steps
 from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
+from moc_lightning.lineage import Lineage
 from moc_lightning.manifest import Manifest
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
@@ -142,6 +144,18 @@ class TwoLevelCheckpointer:
         self._recovery_slot: int | None = None
         self._owner_cache: dict[tuple[str, ...], dict[str, int]] = {}
         self._reservation: Future[None] | None = None
+        self._outcomes: list[SaveReport | None] = []
+        """Every periodic persist's outcome in order (``None``: failed), as this rank reaped them; every rank
+        sees the same outcomes (a persist is all-or-nothing), though not at the same moment."""
+
+    @property
+    def lineage(self) -> Lineage | None:
+        """The lineage snapshots and persists are stamped with (set when the run starts or recovers)."""
+        return self.pec.lineage
+
+    @lineage.setter
+    def lineage(self, lineage: Lineage) -> None:
+        self.pec.lineage = lineage
 
     @property
     def rank(self) -> int:
@@ -185,13 +199,13 @@ class TwoLevelCheckpointer:
         persist = due and self._all_ranks_free_to_persist()
         if due and not persist:
             self.stats.skipped_persists += 1
-        selection = pec.select(index, persist)
+        selection = pec.select(index, persist, self._agreed_persists() if pec.cfg.selection == "load_aware" else None)
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
         owners = self._owners(units)
         mine = [u for u in units if owners[u.key] == self.rank]
         tensors = pec.layout.tensors(mine)
-        extra = {"engine": pec.state_dict(), "owners": owners}
+        extra = {"engine": pec.state_dict(), "owners": owners, "lineage": self.lineage.stamp() if self.lineage else None}
         slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
         persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
 
@@ -236,6 +250,15 @@ class TwoLevelCheckpointer:
         self.stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
         if pending.persist_units is not None:
             self._start_persist(meta, pending.persist_units)
+
+    def _agreed_persists(self) -> list[SaveReport]:
+        """The successful persists every rank has reaped (collective): a view of storage all ranks share,
+        where the manifest itself may be mid-commit on the coordinator while others read it."""
+        count = torch.tensor([len(self._outcomes)])
+        if dist.is_initialized():
+            count = count.to(collective_device())
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        return [r for r in self._outcomes[: int(count.item())] if r is not None]
 
     def _all_ranks_free_to_persist(self) -> bool:
         """Every rank must agree, or the persist's collectives would not match across ranks."""
@@ -299,6 +322,7 @@ class TwoLevelCheckpointer:
         if self._persist is None or not self._persist.done():
             return
         error = self._persist.exception()
+        self._outcomes.append(self._persist.result() if error is None else None)
         if error is None:
             self.stats.persists += 1
             self.stats.persist_reports.append(self._persist.result())
@@ -322,36 +346,80 @@ class TwoLevelCheckpointer:
     def persist_final(self, step: int, trainer_state: Mapping[str, Any] | None) -> SaveReport | None:
         """Persist every unit at ``step`` from the live tensors (collective); call after :meth:`finish`.
 
-        Returns ``None`` when a checkpoint of ``step`` is already committed: a partial one, if training
-        stopped at a step that had already been persisted without a warning that it was the last.
+        However training ended (``max_steps``, ``max_epochs``, early stopping, a user's stop), the last step
+        ends up in one complete checkpoint: a partial persist of the same step is superseded (written apart,
+        then replaced in the manifest). Returns ``None`` when a complete checkpoint of ``step`` is committed
+        already. The decision is the coordinator's reading of the manifest, shared with every rank.
         """
         pec = self.pec
-        newest = pec.read_manifest().latest
-        if newest is not None and newest.step >= step:
+        experts = tuple(ExpertUnit(layer, e) for layer, n in enumerate(pec.layout.num_experts) for e in range(n))
+        units = pec.layout.dense_units + experts
+        newest = from_coordinator(lambda: pec.read_manifest().latest)
+        if newest is not None and newest.step > step:
+            return None
+        supersede = newest is not None and newest.step == step
+        if supersede and all(newest.holds(u.key) for u in units):
             return None
         pec.mark_step(step)
-        experts = tuple(ExpertUnit(layer, e) for layer, n in enumerate(pec.layout.num_experts) for e in range(n))
-        report = pec.persist(step, pec.layout.dense_units + experts, trainer_state=encode_state(trainer_state))
+        report = pec.persist(step, units, trainer_state=encode_state(trainer_state), supersede=supersede)
         self.stats.final_persist = report
         pec.prune_ledger(in_memory=self.store.steps())
         return report
 
     # --------------------------------------------------------------- recovery
-    def recover(self) -> RecoveryReport | None:
-        """Restore the newest consistent state from memory and storage; ``None`` when there is none.
+    def recover(self, manifest: Manifest) -> RecoveryReport | None:
+        """Restore the newest consistent state of ``manifest``'s lineage from memory and storage (collective).
 
-        A stored checkpoint that fails verification is dropped from the manifest and the recovery is planned
-        again without it (every rank sees the same failure, so every rank takes the same path).
+        ``manifest`` must be the same on every rank (:func:`moc_lightning.start.agreed_manifest`) and carry
+        the run's lineage; only slots of that lineage's current timeline are considered. A stored checkpoint
+        that fails verification is dropped from the manifest, everything the failed attempt loaded is rolled
+        back, and the recovery is planned again without it (every rank sees the same failure, so every rank
+        takes the same path). Returns ``None`` when no consistent state survives: the model is then as it was
+        before the call and every slot is discarded. Either way the lineage gains a segment (its timeline
+        forks here), committed in the manifest before training goes on.
         """
         start = time.perf_counter()
-        metas = self.store.committed()
+        lineage = manifest.lineage
+        if lineage is None:
+            raise ValueError(f"the manifest under {self.pec.storage.url} names no lineage; it cannot be resumed")
+        metas = []
+        for meta in self.store.committed():
+            if lineage.admits(meta.extra.get("lineage"), meta.step):
+                metas.append(meta)
+            else:  # another run's, another model's, or a timeline this lineage has left
+                self.store.invalidate(meta.slot)
         inventory = _all_gather([SlotInventory(self.rank, m.slot, m.step, frozenset(m.units)) for m in metas])
-        manifest = self.pec.read_manifest()
+        baseline = self._rollback_point()
         while True:
             try:
-                return self._recover_with(manifest, metas, inventory, start)
+                report = self._recover_with(manifest, metas, inventory, start)
+                break
             except UnreadableCheckpoint as bad:
+                self._roll_back(baseline)
                 manifest = self.pec.forget(manifest, bad)
+        if report is None:
+            self.store.clear()
+        resumed = lineage.resumed_at(report.resume_step if report is not None else 0)
+        self.pec.commit_lineage(manifest.with_lineage(resumed))
+        self.pec.stored_base = stored_steps(manifest)
+        self.lineage = resumed
+        return report
+
+    def _rollback_point(self) -> dict[str, torch.Tensor]:
+        """Copies of the model's tensors as they are before recovery loads anything into them.
+
+        The optimizer has no state yet (recovery creates it), so the weights are all there is to keep.
+        """
+        return {k: t.clone() for k, t in self.pec.layout.weights(self.pec.layout.units).items()}
+
+    def _roll_back(self, baseline: Mapping[str, torch.Tensor]) -> None:
+        """Undo a failed recovery attempt: no byte it loaded may survive into the next plan."""
+        layout = self.pec.layout
+        with torch.no_grad():
+            for key, tensor in layout.weights(layout.units).items():
+                tensor.copy_(baseline[key])
+        if layout.optimizer is not None:
+            layout.optimizer.state.clear()
 
     def _recover_with(
         self, manifest: Manifest, metas: list[SlotMeta], inventory: list[SlotInventory], start: float
@@ -362,7 +430,7 @@ class TwoLevelCheckpointer:
         if plan is None:
             return None
         by_slot = {m.slot: m for m in metas}
-        engine_state, trainer_state = self._states_at(plan, by_slot)
+        engine_state, trainer_state = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
         pec.prepare_for_load()
         self._restore_from_memory(plan, by_slot)
@@ -390,12 +458,14 @@ class TwoLevelCheckpointer:
             trainer_state=trainer_state,
         )
 
-    def _states_at(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> tuple[dict, dict | None]:
+    def _states_at(
+        self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta], manifest: Manifest
+    ) -> tuple[dict, dict | None]:
         """Engine and trainer state of the resume step: from a slot at that step, else from storage."""
         local = next((m for m in by_slot.values() if m.step == plan.resume_step), None)
         holder = _lowest_rank_with(local is not None)
         if holder is None:
-            described = self.pec.read_description(plan.resume_step)
+            described = self.pec.read_description(manifest.at_step(plan.resume_step))
             return described["engine"], _decode_optional(described.get("trainer"))
         payload = [local.extra if local is not None else None]
         if dist.is_initialized():

@@ -84,7 +84,10 @@ def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> Non
     """Every step's snapshot is committed and accounted; how long they stall is the benchmark's business
     (``recipes/bench.py``), not a unit test's on a shared machine."""
     timer = StepTimer()
-    config = _config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=10, persist_on_fit_end=False)
+    config = _config(
+        tmp_path, every_n_train_steps=1, persist_every_n_snapshots=10, persist_on_fit_end=False,
+        remove_snapshots_on_fit_end=False,
+    )
     moc = _fit(tmp_path, config, 40, [timer])
     stats = moc.engine.stats
     mean_stall = sum(stats.stall_seconds) / len(stats.stall_seconds)
@@ -98,7 +101,10 @@ def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> Non
 
 
 def test_resume_restores_weights_optimizer_scheduler_and_step(tmp_path: Path) -> None:
-    config = _config(tmp_path, k_snapshot=8, k_persist=8, every_n_train_steps=5, persist_every_n_snapshots=2)
+    config = _config(
+        tmp_path, k_snapshot=8, k_persist=8, every_n_train_steps=5, persist_every_n_snapshots=2,
+        remove_snapshots_on_fit_end=False,  # a planned restart: resume from memory
+    )
     first, resumed = StateCapture(), StateCapture()
     _fit(tmp_path, config, 10, [first])
     moc = _fit(tmp_path, config, 20, [resumed])
@@ -125,14 +131,14 @@ def test_too_small_shm_root_says_how_much_is_needed(tmp_path: Path, monkeypatch:
 
 
 def test_shared_memory_too_small_for_the_optimizer_state_fails_with_the_option(tmp_path: Path) -> None:
-    """Before the first optimizer step only the weights exist, so the start-up check can pass while the slots,
-    reserved once the optimizer state exists, do not fit: that must fail loudly, naming the option, before
-    any snapshot is taken (not SIGBUS in the middle of a copy)."""
+    """Before the first optimizer step only the weights exist; the start-up check must still size the slots
+    with the optimizer state the optimizer will create, and fail loudly, naming the option, before any
+    training (not SIGBUS in the middle of a copy, nor a refusal only once the state exists)."""
     try:
         with small_filesystem(tmp_path / "tmpfs", "6m") as tmpfs:  # weights: 3 x 1.3 MB; with AdamW: 3 x 3.8 MB
             config = _config(tmp_path, every_n_train_steps=5)
             config.shm_root = str(tmpfs / "moc")
-            with pytest.raises(OSError, match=r"cannot reserve 3 snapshot slots .* checkpoint.shm_root"):
+            with pytest.raises(ValueError, match=r"checkpoint.shm_root=.*\(3 slots x 1 ranks x 3.8 MB"):
                 _fit(tmp_path, config, 10, [])
     except PermissionError as err:
         pytest.skip(f"no small tmpfs to fill: {err}")

@@ -1,0 +1,244 @@
+"""Runs do not mix: every restart resumes its own lineage's newest consistent state, or starts over cleanly.
+
+Each test is an ordinary situation (a crash and a restart, ``resume=never``, a deleted run directory, a
+damaged only checkpoint after a node loss, a finished run) checked against the state captured by a separate
+callback at the steps that matter, never against what MoC reports about itself alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from storage_faults import flip_middle_byte
+
+from moc_lightning.callback import MoCCheckpoint, check_shm_root
+from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.layout import build_layout
+from moc_lightning.lineage import Lineage, Segment
+from moc_lightning.models import GPTMoEConfig
+from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.snapshot import NUM_SLOTS
+from moc_lightning.start import SET_ASIDE
+
+MODEL = GPTMoEConfig(block_size=32)
+
+
+class Crash(Exception):
+    """A stand-in for a killed process: fit ends by an exception, and nothing cleans up after it."""
+
+
+class Recorder(L.Callback):
+    """The full state at the start of training and after chosen steps; optionally crash after a step."""
+
+    def __init__(self, at: tuple[int, ...] = (), crash_after: int | None = None) -> None:
+        self.at = set(at)
+        self.crash_after = crash_after
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.start_step: int | None = None
+
+    def _tensors(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
+        layout = build_layout(module, trainer.optimizers[0], num_experts=MODEL.num_experts)
+        return {k: v.detach().clone() for k, v in layout.tensors().items()}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start_step = trainer.global_step
+        self.start = self._tensors(trainer, module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step in self.at:
+            self.states[trainer.global_step] = self._tensors(trainer, module)
+        if trainer.global_step == self.crash_after:
+            raise Crash(f"killed after step {trainer.global_step}")
+
+
+def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
+    defaults = {"every_n_train_steps": 5, "persist_every_n_snapshots": 2}
+    return CheckpointConfig(
+        storage=StorageConfig(url=(tmp_path / "ckpt").as_uri()), shm_root=str(tmp_path / "shm"), **{**defaults, **kw}
+    )
+
+
+def _fit(tmp_path: Path, config: CheckpointConfig, max_steps: int, recorder: Recorder, **trainer_kw: Any) -> MoCCheckpoint:
+    moc = MoCCheckpoint(config)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path / "run"),
+        callbacks=[moc, recorder],
+        **trainer_kw,
+    )
+    module = GPTMoEModule(MODEL, seed=0)
+    data = LMDataModule(DataConfig(batch_size=8), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target())
+    except Crash:
+        moc.engine.finish()  # let the background persist end, as a killed process's would not matter
+    return moc
+
+
+def _slots(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "shm").rglob("meta.json"))
+
+
+def test_resume_never_starts_a_new_lineage_and_sets_the_old_one_aside(tmp_path: Path) -> None:
+    """Failed on 7dbc115: the new run's persists failed as "not newer" until it passed the old run's step."""
+    _fit(tmp_path, _config(tmp_path), 20, Recorder())
+    old_manifest = (tmp_path / "ckpt" / "manifest.json").read_bytes()
+    fresh = Recorder()
+    moc = _fit(tmp_path, _config(tmp_path, resume="never"), 12, fresh)
+    assert fresh.start_step == 0 and moc.recovery is None
+    assert moc.engine.stats.failed_persists == 0 and moc.engine.stats.persists >= 1
+    manifest = moc.engine.pec.read_manifest()
+    assert [r.step for r in manifest.records] == [5, 12]
+    aside = list((tmp_path / "ckpt" / SET_ASIDE).iterdir())
+    assert len(aside) == 1 and (aside[0] / "manifest.json").read_bytes() == old_manifest, "the old lineage is kept"
+    assert manifest.lineage.run_id != Lineage.from_json(json.loads(old_manifest)["lineage"]).run_id
+
+
+def test_deleted_run_directory_starts_fresh_instead_of_resuming_old_slots(tmp_path: Path) -> None:
+    """Failed on 7dbc115: the restart resumed silently from the old run's shared-memory slots."""
+    first = Recorder(crash_after=17)
+    _fit(tmp_path, _config(tmp_path), 30, first)
+    assert _slots(tmp_path), "a crashed run leaves its slots"
+    shutil.rmtree(tmp_path / "ckpt")
+    again = Recorder()
+    moc = _fit(tmp_path, _config(tmp_path), 6, again)
+    assert again.start_step == 0 and moc.recovery is None
+    assert again.start.keys() == first.start.keys()
+    assert all(torch.equal(t, first.start[k]) for k, t in again.start.items()), "not the initial state"
+
+
+def _unit_of(key: str) -> str:
+    return "/".join(key.split("/")[:3]) if key.startswith("expert/") else "/".join(key.split("/")[:2])
+
+
+def _check_sources(first: Recorder, resumed: Recorder, sources: dict[str, dict[str, Any]]) -> None:
+    """Every restored tensor is bitwise its unit's version at the step the recovery reports for it."""
+    for key, tensor in resumed.start.items():
+        step = sources[_unit_of(key)]["step"]
+        if "/optim/" in key and step < 0:
+            continue
+        expected = first.start[key] if step < 0 else first.states[step][key]
+        assert torch.equal(tensor, expected), f"{key} (source step {step}) is not its version of that step"
+
+
+def test_restart_resumes_its_own_lineage_bitwise(tmp_path: Path) -> None:
+    first = Recorder(at=(5, 10, 15), crash_after=17)
+    _fit(tmp_path, _config(tmp_path), 30, first)
+    resumed = Recorder()
+    moc = _fit(tmp_path, _config(tmp_path), 20, resumed)
+    assert moc.recovery.resume_step == 15 and resumed.start_step == 15
+    _check_sources(first, resumed, moc.recovery.sources)
+    assert [s.start_step for s in moc.engine.pec.read_manifest().lineage.segments] == [0, 15]
+
+
+def test_unrecoverable_state_starts_over_instead_of_crash_looping(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The only committed checkpoint is damaged and the node is lost: no consistent state survives.
+
+    Failed on 7dbc115: every restart raised "nothing to resume from" (the emptied manifest still made
+    ``resume_target()`` answer yes), so the job crash-looped until its restarts ran out.
+    """
+    _fit(tmp_path, _config(tmp_path, persist_every_n_snapshots=10), 30, Recorder(crash_after=12))
+    flip_middle_byte(next((tmp_path / "ckpt" / "step_000000005").glob("*.distcp")))
+    shutil.rmtree(tmp_path / "shm")
+    again = Recorder()
+    _fit(tmp_path, _config(tmp_path), 8, again)
+    assert again.start_step == 0
+    assert "nothing to resume (no consistent state of this run survives" in capsys.readouterr().out
+    later = Recorder()
+    _fit(tmp_path, _config(tmp_path), 10, later)
+    assert later.start_step == 8, "the next restart resumes the restarted lineage"
+
+
+def test_a_failed_attempt_leaves_no_bytes_behind(tmp_path: Path) -> None:
+    """Recovery plans step 10, finds its checkpoint damaged, and falls back to step 5: every unit must then
+    hold its step-5 (or initial) version, none a byte of step 10 that the failed attempt had loaded.
+
+    Failed on 7dbc115: experts reported as never saved held step-10 weights.
+    """
+    first = Recorder(at=(5,), crash_after=12)
+    config = _config(tmp_path, persist_every_n_snapshots=1, k_snapshot=1, k_persist=1)
+    _fit(tmp_path, config, 30, first)
+    shutil.rmtree(tmp_path / "shm")
+    data = next((tmp_path / "ckpt" / "step_000000010").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF  # the last item: the ones before it load before the damage is found
+    data.write_bytes(bytes(raw))
+    again = Recorder()
+    moc = _fit(tmp_path, config, 14, again)
+    assert moc.recovery.resume_step == 5
+    _check_sources(first, again, moc.recovery.sources)
+
+
+def test_finished_run_removes_its_snapshots_unless_told_to_keep_them(tmp_path: Path) -> None:
+    """Failed on 7dbc115: finished runs left their slots in /dev/shm for ever."""
+    _fit(tmp_path, _config(tmp_path), 10, Recorder())
+    assert not _slots(tmp_path) and not any((tmp_path / "shm").iterdir())
+    _fit(tmp_path / "kept", _config(tmp_path / "kept", remove_snapshots_on_fit_end=False), 10, Recorder())
+    assert _slots(tmp_path / "kept")
+
+
+def test_run_ending_by_max_epochs_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
+    """Failed on 7dbc115: the last step had been persisted partially, and the final persist was skipped."""
+    moc = _fit(
+        tmp_path, _config(tmp_path, persist_every_n_snapshots=1), -1, Recorder(), max_epochs=1, limit_train_batches=10
+    )
+    newest = moc.engine.pec.read_manifest().latest
+    assert newest.step == 10 and set(newest.units) == {u.key for u in moc.engine.pec.layout.units}
+    assert not (tmp_path / "ckpt" / "step_000000010").exists(), "the superseded partial checkpoint is deleted"
+
+
+def test_user_k_wins_over_the_restored_k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Failed on 7dbc115: the restored engine state overwrote the K given at resume."""
+    _fit(tmp_path, _config(tmp_path, k_snapshot=2, k_persist=1), 30, Recorder(crash_after=12))
+    moc = _fit(tmp_path, _config(tmp_path, k_snapshot=4, k_persist=2), 14, Recorder())
+    assert (moc.engine.pec.dynamic_k.k_snapshot, moc.engine.pec.dynamic_k.k_persist) == (4, 2)
+    assert "k_snapshot/k_persist" in capsys.readouterr().out
+
+
+def test_shm_check_counts_every_local_ranks_reusable_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart of a job that fitted is never refused. Failed on 7dbc115: only this rank's slots counted."""
+    recorder = Recorder()
+    moc = _fit(tmp_path, _config(tmp_path, remove_snapshots_on_fit_end=False), 5, recorder)
+    pec = moc.engine.pec
+    per_slot = pec.snapshot_share_bytes(with_optimizer_state=True)
+    node = tmp_path / "node"
+    for rank in range(2):
+        for slot in range(NUM_SLOTS):
+            (node / f"rank{rank}" / f"slot{slot}").mkdir(parents=True)
+            with open(node / f"rank{rank}" / f"slot{slot}" / "data", "wb") as f:
+                f.truncate(per_slot)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    config = _config(tmp_path, ranks_per_node=2)
+    check_shm_root(config, pec, node)  # the two ranks' slots are there already
+    with pytest.raises(ValueError, match="snapshot slots need"):
+        check_shm_root(config, pec, node / "rank0")  # one rank's slots are not enough for two
+
+
+def test_lineage_admits_only_its_current_timeline() -> None:
+    lineage = Lineage("run", "fp", (Segment(0, 0), Segment(1, 10), Segment(2, 30)))
+    stamp = {"run_id": "run", "fingerprint": "fp"}
+    assert lineage.admits({**stamp, "generation": 0}, 10)  # before the first fork: still on the timeline
+    assert not lineage.admits({**stamp, "generation": 0}, 15)  # the run resumed at 10: step 15 of gen 0 is gone
+    assert lineage.admits({**stamp, "generation": 1}, 30) and not lineage.admits({**stamp, "generation": 1}, 35)
+    assert lineage.admits({**stamp, "generation": 2}, 95)
+    assert not lineage.admits({**stamp, "generation": 3}, 5), "a generation this lineage never had"
+    assert not lineage.admits({"run_id": "other", "fingerprint": "fp", "generation": 2}, 95)
+    assert not lineage.admits({"run_id": "run", "fingerprint": "other", "generation": 2}, 95)
+    assert not lineage.admits(None, 5)
+    assert Lineage.from_json(lineage.to_json()) == lineage
+    with pytest.raises(ValueError, match="segment 1"):
+        Lineage.from_json({**lineage.to_json(), "segments": [[0, 0], [2, 5]]})
