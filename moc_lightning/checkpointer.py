@@ -13,7 +13,6 @@ Usable without Lightning: give it a layout, the topology and a storage backend.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +32,12 @@ from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
+from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.size_model import SizeModel, size_model
 from moc_lightning.storage import CheckpointStorage, corrupt_from
+from moc_lightning.storage.integrity import ListedKeysPlanner
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 MANIFEST = "manifest.json"
@@ -251,7 +252,7 @@ class PECCheckpointer:
     def _commit(self, record: CheckpointRecord, description: dict[str, Any]) -> list[str]:
         """Self-description first, then the manifest (the commit point); returns what retention retired, for
         the caller to delete once the commit is done."""
-        self.storage.put(f"{record.name}/moc.json", json.dumps(description).encode())
+        self.storage.put(f"{record.name}/moc.json", seal(description))
         current = self.read_manifest()
         manifest, removed = current.with_record(record).retire(self.cfg.retention)
         self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
@@ -357,31 +358,11 @@ class PECCheckpointer:
     # ------------------------------------------------------------------- load
     def read_manifest(self) -> Manifest:
         """The committed manifest; if it is unreadable, the one committed before it (and say so)."""
-        data = self.storage.get(MANIFEST)
-        if data is None:
-            return Manifest()
-        try:
-            return Manifest.from_json(data)
-        except ManifestError as err:
-            previous = self.storage.get(PREVIOUS_MANIFEST)
-            if previous is None:
-                raise ManifestError(f"{self.storage.url}/{MANIFEST} is unreadable ({err}) and no previous "
-                                    "manifest exists to fall back to") from err
-            manifest = Manifest.from_json(previous)
-            print(f"[moc_lightning] {MANIFEST} is unreadable ({err}); using the previous manifest "
-                  f"(latest step {manifest.latest.step if manifest.latest else None})")
-            return manifest
+        return read_manifest(self.storage)
 
     def read_description(self, step: int) -> dict[str, Any]:
         """The ``moc.json`` of the checkpoint of ``step``: its record, engine and trainer state, parameter map."""
-        name = checkpoint_name(step)
-        data = self.storage.get(f"{name}/moc.json")
-        if data is None:
-            raise UnreadableCheckpoint(name, f"{name}/moc.json is missing")
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise UnreadableCheckpoint(name, f"{name}/moc.json is unreadable: {err}") from err
+        return read_description(self.storage, checkpoint_name(step))
 
     def load_latest(self) -> LoadReport | None:
         """Restore the newest readable state in storage; ``None`` if there is none.
@@ -438,6 +419,7 @@ class PECCheckpointer:
                 dcp.load(
                     self.layout.tensors(wanted),
                     storage_reader=self.storage.reader(record.name),
+                    planner=ListedKeysPlanner(record.name),  # a listed unit it lacks is damage, not a bug
                     process_group=self.process_group,
                 )
             except CheckpointException as err:  # DCP gathers every rank's failure: all ranks decide alike
@@ -488,6 +470,36 @@ class PECCheckpointer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.process_group)
+
+
+def read_manifest(storage: CheckpointStorage) -> Manifest:
+    """The committed manifest under ``storage``; if it is unreadable (damaged, or failing its CRC32C), the one
+    committed before it, saying so. No manifest is an empty one."""
+    data = storage.get(MANIFEST)
+    if data is None:
+        return Manifest()
+    try:
+        return Manifest.from_json(data)
+    except ManifestError as err:
+        previous = storage.get(PREVIOUS_MANIFEST)
+        if previous is None:
+            raise ManifestError(f"{storage.url}/{MANIFEST} is unreadable ({err}) and no previous "
+                                "manifest exists to fall back to") from err
+        manifest = Manifest.from_json(previous)
+        print(f"[moc_lightning] {MANIFEST} is unreadable ({err}); using the previous manifest "
+              f"(latest step {manifest.latest.step if manifest.latest else None})")
+        return manifest
+
+
+def read_description(storage: CheckpointStorage, name: str) -> dict[str, Any]:
+    """The verified ``moc.json`` of checkpoint ``name``; :class:`UnreadableCheckpoint` if missing or damaged."""
+    data = storage.get(f"{name}/moc.json")
+    if data is None:
+        raise UnreadableCheckpoint(name, f"{name}/moc.json is missing")
+    try:
+        return unseal(data)
+    except SealError as err:
+        raise UnreadableCheckpoint(name, f"{name}/moc.json {err}") from err
 
 
 def _whole_rows(tensor: torch.Tensor) -> RowRange:
