@@ -27,7 +27,7 @@ from storage_faults import (
 from torch.distributed.checkpoint.api import CheckpointException
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
+from moc_lightning.checkpointer import MANIFEST, PECCheckpointer, PersistFailed
 from moc_lightning.layout import build_layout
 from moc_lightning.manifest import Manifest
 from moc_lightning.models import ExpertParallelTopology
@@ -267,13 +267,13 @@ def test_a_persist_failing_anywhere_commits_nothing(tmp_path: Path, backend: str
     engine.checkpoint(1)
     at_step_1 = trainee.snapshot()
     trainee.step(2)
-    with pytest.raises(CheckpointException) as caught:
+    with pytest.raises(PersistFailed) as caught:
         engine.checkpoint(2)
     assert _oserror(caught.value).errno == errno.ENOSPC
     trainee.step(3)
-    with pytest.raises(OSError) as caught_put:
+    with pytest.raises(PersistFailed, match="commit:manifest: OSError") as caught_put:
         engine.checkpoint(3)
-    assert caught_put.value.errno == errno.EIO
+    assert _oserror(caught_put.value).errno == errno.EIO
     storage = make_storage(backend, url)
     assert [r.step for r in Manifest.from_json(storage.get(MANIFEST)).records] == [1]
     fresh = Trainee(ExpertParallelTopology(), seed=1)
