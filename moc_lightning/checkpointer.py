@@ -3,9 +3,13 @@
 A save takes every dense unit and the selected experts, asks ownership which rank writes which rows,
 writes them through ``torch.distributed.checkpoint.save`` with :class:`MoCSavePlanner`, and then commits:
 the coordinator writes the checkpoint's self-description (``step_X/moc.json``) and the manifest that lists
-it, and only then does the checkpoint exist. A load reads the manifest, takes every dense unit from the
-newest checkpoint and every expert from its newest stored version, loads them with DCP (any world size
-and EP degree), and accounts the lost tokens of the experts that came from older steps (PLT, eq. 7).
+it, and only then does the checkpoint exist. Every rank learns the outcome of both phases (one small
+all-gather each), so a persist ends alike everywhere: the same :class:`SaveReport`, or the same
+:class:`PersistFailed` with nothing committed and the failed attempt's directory removed.
+
+A load reads the manifest, takes every dense unit from the newest checkpoint and every expert from its
+newest stored version, loads them with DCP (any world size and EP degree), and accounts the lost tokens of
+the experts that came from older steps (PLT, eq. 7).
 
 Usable without Lightning: give it a layout, the topology and a storage backend.
 """
@@ -13,7 +17,6 @@ Usable without Lightning: give it a layout, the topology and a storage backend.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,14 +37,30 @@ from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
+from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.size_model import SizeModel, size_model
-from moc_lightning.storage import CheckpointStorage, corrupt_from
+from moc_lightning.storage import CheckpointStorage, corrupt_from, find_cause
+from moc_lightning.storage.integrity import ListedKeysPlanner
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 MANIFEST = "manifest.json"
 PREVIOUS_MANIFEST = "manifest.previous.json"
+
+COMMIT_POINTS = ("commit:description", "commit:previous_manifest", "commit:manifest", "commit:retention")
+"""The points of the coordinator's commit at which ``PECCheckpointer.fault_hook`` is called, in order:
+
+- ``commit:description``: before ``step_X/moc.json`` is put;
+- ``commit:previous_manifest``: before ``manifest.previous.json`` (the manifest being replaced) is put;
+- ``commit:manifest``: before ``manifest.json`` is put. That put is the commit point: a fault at any point
+  up to here commits nothing (the manifest is unchanged) and the persist fails on every rank;
+- ``commit:retention``: after the commit, before retention deletes the checkpoints the new manifest no
+  longer lists. The persist is committed whatever happens from here on; a failed deletion is retried with
+  the next commit.
+
+Tests raise at these points; a chaos harness can SIGKILL at them.
+"""
 
 
 class UnreadableCheckpoint(Exception):
@@ -49,6 +68,27 @@ class UnreadableCheckpoint(Exception):
 
     def __init__(self, name: str, detail: str) -> None:
         super().__init__(f"checkpoint {name} is unreadable: {detail}")
+        self.name = name
+
+
+class AgreedFailure(RuntimeError):
+    """An operation on the persist group that failed on some rank, raised alike on every rank.
+
+    ``failures`` maps each failing rank to what failed there (``"<where>: <Type>: <message>"``); the
+    message names the lowest failing rank, so every rank's message is the same.
+    """
+
+    def __init__(self, what: str, failures: Mapping[int, str], outcome: str) -> None:
+        rank, detail = min(failures.items())
+        super().__init__(f"{what} failed on rank {rank} ({detail}); {outcome}")
+        self.failures = dict(failures)
+
+
+class PersistFailed(AgreedFailure):
+    """A persist that failed on some rank: nothing of it is committed, and every rank raises this."""
+
+    def __init__(self, name: str, failures: Mapping[int, str]) -> None:
+        super().__init__(f"persist of {name}", failures, "nothing was committed")
         self.name = name
 
 
@@ -100,7 +140,10 @@ class PECCheckpointer:
         storage: CheckpointStorage,
         backend: str = "filesystem",
         process_group: dist.ProcessGroup | None = None,
+        fault_hook: Callable[[str], None] | None = None,
     ) -> None:
+        """``fault_hook``, if given, is called on the coordinator with each name in :data:`COMMIT_POINTS` as its
+        commit reaches it (fault injection: what it raises fails the commit there)."""
         num_experts = layout.num_experts
         cfg.validate_for(min(num_experts))
         check_k(cfg.k_snapshot, cfg.k_persist, min(num_experts))
@@ -123,6 +166,11 @@ class PECCheckpointer:
         self._k_choice_said: str | None = None
         self.stored_base: dict[str, int] = {}
         """Unit key -> step of its newest stored version when this process started (or recovered)."""
+        self.fault_hook = fault_hook
+        self._reached = ""
+        """The last commit point the coordinator's commit reached (named in a failure)."""
+        self._undeleted: list[str] = []
+        """Checkpoints retention retired whose deletion failed: deleted with the next commit."""
 
     def attach(self, layout: Layout) -> None:
         """Use ``layout`` from now on (same model, new optimizer object: after Lightning re-creates it)."""
@@ -233,15 +281,26 @@ class PECCheckpointer:
         """
         start = time.perf_counter()
         name = checkpoint_name(step, final=supersede)
-        if from_slot is None:
-            state = self.layout.tensors([u for u in units if u in self.layout.slots])
-            writes = self._writes(units, state)
-        else:
-            state = dict(from_slot)
-            writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
-        planner = MoCSavePlanner(writes)
-        dcp.save(state, storage_writer=self.storage.writer(name), planner=planner, process_group=self.process_group)
-        written = owned_bytes(planner.plan)  # the final local plan, after any deduplication
+        param_sources = self._gather_param_sources()  # collective on first use: every rank, before anything fails
+        self._agree_on_lineage(name)
+        written = 0
+        failure: _Failure | None = None
+        try:
+            if from_slot is None:
+                state = self.layout.tensors([u for u in units if u in self.layout.slots])
+                writes = self._writes(units, state)
+            else:
+                state = dict(from_slot)
+                writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
+            planner = MoCSavePlanner(writes)
+            dcp.save(state, storage_writer=self.storage.writer(name), planner=planner, process_group=self.process_group)
+            written = owned_bytes(planner.plan)  # the final local plan, after any deduplication
+            if before_commit is not None:
+                before_commit()
+        except (Exception, CheckpointException) as err:  # DCP's failures are BaseExceptions
+            failure = _Failure.of("write", err, self._rank)
+        self._agree_on_persist(name, failure)
+
         record = CheckpointRecord(
             name=name,
             step=step,
@@ -251,14 +310,15 @@ class PECCheckpointer:
             ep=self.topology.ep,
             backend=self.backend,
         )
-        param_sources = self._gather_param_sources()  # collective on first use: every rank, before the commit
-        if before_commit is not None:
-            before_commit()
         retired: list[str] = []
         if self._is_coordinator:
-            description = self._describe(record, param_sources, engine_state or self.state_dict(), trainer_state)
-            retired = self._commit(record, description, supersede)
-        self._barrier()
+            try:
+                self._reached = "describe"
+                description = self._describe(record, param_sources, engine_state or self.state_dict(), trainer_state)
+                retired = self._commit(record, description, supersede)
+            except (Exception, CheckpointException) as err:
+                failure = _Failure.of(self._reached, err, self._rank)
+        self._agree_on_persist(name, failure)
         report = SaveReport(
             step=step,
             name=name,
@@ -267,30 +327,122 @@ class PECCheckpointer:
             expected_bytes=sum(self.unit_nbytes(u) for u in units),
             seconds=time.perf_counter() - start,
         )
-        for retired_name in retired:  # after the commit, and after the persist's clock
-            self.storage.delete(retired_name)
+        if self._is_coordinator:  # after the commit, and after the persist's clock
+            self._retire(retired)
         return report
 
-    def _commit(self, record: CheckpointRecord, description: dict[str, Any], supersede: bool = False) -> list[str]:
-        """Self-description first, then the manifest (the commit point); returns what retention retired, for
-        the caller to delete once the commit is done."""
-        self.storage.put(f"{record.name}/moc.json", json.dumps(description).encode())
-        current = self.read_manifest()
+    def _agree_on_lineage(self, name: str) -> None:
+        """Before any rank writes: the storage must still belong to this run's lineage (another run started at
+        the same URL would otherwise get its checkpoint directory overwritten). Checked again at the commit."""
+        if self.lineage is None:
+            return
+        failure = None
+        if self._is_coordinator:
+            try:
+                self._check_lineage(self.read_manifest(), name)
+            except (Exception, CheckpointException) as err:
+                failure = _Failure.of("lineage", err, self._rank)
+        failures = self._failures(failure)
+        if failures:
+            raise PersistFailed(name, failures) from (failure.error if failure is not None else None)
+
+    def _check_lineage(self, current: Manifest, name: str) -> None:
+        """Raise :class:`LineageError` unless the committed manifest ``current`` is of this run's lineage."""
         if self.lineage is not None and (current.lineage is None or current.lineage.run_id != self.lineage.run_id):
             found = current.lineage.run_id if current.lineage else "none"
             raise LineageError(
                 f"{self.storage.url} now belongs to lineage {found}, not to this run's ({self.lineage.run_id}); "
-                f"checkpoint {record.name} is not committed (did another run start at the same storage URL?)"
+                f"checkpoint {name} is not committed (did another run start at the same storage URL?)"
             )
+
+    def _agree_on_persist(self, name: str, failure: _Failure | None) -> None:
+        """Share this rank's outcome of a persist phase; if any rank failed, every rank raises :class:`PersistFailed`.
+
+        Runs on every rank whatever happened (the collective that keeps the persist group in step). Before
+        anyone raises, the coordinator removes the failed attempt's directory (a retry at the same step then
+        starts from an empty location, and a full disk gets its space back).
+        """
+        failures = self._failures(failure)
+        if not failures:
+            return
+        if self._is_coordinator:
+            self._discard_attempt(name)
+        self._barrier()  # the directory is gone before any rank can start a retry that writes to it
+        raise PersistFailed(name, failures) from (failure.error if failure is not None else None)
+
+    def _failures(self, failure: _Failure | None) -> dict[int, str]:
+        """Every rank's failure (failing rank -> what failed), gathered from all ranks of the persist group."""
+        mine = None if failure is None else (failure.rank, failure.text)
+        outcomes: list[tuple[int, str] | None] = [mine]
+        if dist.is_initialized():
+            outcomes = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(outcomes, mine, group=self.process_group)
+        return dict(sorted(o for o in outcomes if o is not None))
+
+    def _discard_attempt(self, name: str) -> None:
+        """Delete the location of a persist that failed, unless a committed manifest lists it (then it is not
+        this attempt's to delete); best effort: what cannot be deleted is garbage no manifest names."""
+        try:
+            if self._listed(name):
+                return
+            self.storage.delete(name)
+        except Exception as err:  # noqa: BLE001 - cleanup must not replace the failure being reported
+            print(f"[moc_lightning] could not remove {name} after its failed persist ({err}); no manifest names it")
+
+    def _listed(self, name: str) -> bool:
+        return any(r.name == name for r in self.read_manifest().records)
+
+    def _at(self, point: str) -> None:
+        """Reach commit point ``point`` (one of :data:`COMMIT_POINTS`)."""
+        self._reached = point
+        if self.fault_hook is not None:
+            self.fault_hook(point)
+
+    def _commit(self, record: CheckpointRecord, description: dict[str, Any], supersede: bool = False) -> list[str]:
+        """Self-description first, then the manifest (the commit point); returns what retention retired, for
+        the caller to delete once every rank knows the commit is done."""
+        self._at("commit:description")
+        self.storage.put(f"{record.name}/moc.json", seal(description))
+        current = self.read_manifest()
+        self._check_lineage(current, record.name)
         if supersede:
             replaced = current.latest
             manifest, removed = current.superseded_by(record).retire(self.cfg.retention)
             removed.append(replaced.name)
         else:
             manifest, removed = current.with_record(record).retire(self.cfg.retention)
+        self._at("commit:previous_manifest")
         self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
-        self.storage.put(MANIFEST, manifest.to_json())
+        self._at("commit:manifest")
+        try:
+            self.storage.put(MANIFEST, manifest.to_json())
+        except (Exception, CheckpointException):
+            if not self._listed_safely(record.name):
+                raise
+            print(f"[moc_lightning] the manifest put for {record.name} raised after the manifest landed; committed")
         return removed
+
+    def _listed_safely(self, name: str) -> bool:
+        """Whether the committed manifest lists ``name``; ``False`` when it cannot be read."""
+        try:
+            return self._listed(name)
+        except Exception:  # noqa: BLE001 - unknown: report the commit as failed
+            return False
+
+    def _retire(self, retired: list[str]) -> None:
+        """Delete checkpoints no committed manifest lists any more (and any whose deletion failed before).
+
+        After the commit point: a failure here is logged and retried with the next commit, never a failed persist.
+        """
+        pending, self._undeleted = [*self._undeleted, *retired], []
+        try:
+            self._at("commit:retention")
+            while pending:
+                self.storage.delete(pending[0])
+                pending.pop(0)
+        except Exception as err:  # noqa: BLE001 - the persist is committed; the deletion is retried
+            self._undeleted = pending
+            print(f"[moc_lightning] retention could not delete {pending} ({err}); retried with the next commit")
 
     def _describe(
         self,
@@ -400,31 +552,11 @@ class PECCheckpointer:
     # ------------------------------------------------------------------- load
     def read_manifest(self) -> Manifest:
         """The committed manifest; if it is unreadable, the one committed before it (and say so)."""
-        data = self.storage.get(MANIFEST)
-        if data is None:
-            return Manifest()
-        try:
-            return Manifest.from_json(data)
-        except ManifestError as err:
-            previous = self.storage.get(PREVIOUS_MANIFEST)
-            if previous is None:
-                raise ManifestError(f"{self.storage.url}/{MANIFEST} is unreadable ({err}) and no previous "
-                                    "manifest exists to fall back to") from err
-            manifest = Manifest.from_json(previous)
-            print(f"[moc_lightning] {MANIFEST} is unreadable ({err}); using the previous manifest "
-                  f"(latest step {manifest.latest.step if manifest.latest else None})")
-            return manifest
+        return read_manifest(self.storage)
 
     def read_description(self, record: CheckpointRecord) -> dict[str, Any]:
-        """The ``moc.json`` of checkpoint ``record``: its record, engine and trainer state, parameter map."""
-        name = record.name
-        data = self.storage.get(f"{name}/moc.json")
-        if data is None:
-            raise UnreadableCheckpoint(name, f"{name}/moc.json is missing")
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise UnreadableCheckpoint(name, f"{name}/moc.json is unreadable: {err}") from err
+        """The verified ``moc.json`` of checkpoint ``record``: its record, engine and trainer state, parameter map."""
+        return read_description(self.storage, record.name)
 
     def load_latest(self) -> LoadReport | None:
         """Restore the newest readable state in storage; ``None`` if there is none.
@@ -451,9 +583,16 @@ class PECCheckpointer:
         """Drop an unreadable checkpoint from ``manifest`` and commit that, so nothing builds on it again."""
         print(f"[moc_lightning] {bad}; falling back to the versions stored before {bad.name}")
         manifest = manifest.without({bad.name})
+        failure: _Failure | None = None
         if self._is_coordinator:
-            self.storage.put(MANIFEST, manifest.to_json())
-        self._barrier()
+            try:
+                self.storage.put(MANIFEST, manifest.to_json())
+            except (Exception, CheckpointException) as err:
+                failure = _Failure.of("manifest put", err, self._rank)
+        failures = self._failures(failure)  # every rank learns whether the manifest changed
+        if failures:
+            error = AgreedFailure(f"dropping {bad.name} from the manifest", failures, "the manifest is unchanged")
+            raise error from (failure.error if failure is not None else None)
         return manifest
 
     def _load_newest(self, manifest: Manifest) -> LoadReport:
@@ -488,6 +627,7 @@ class PECCheckpointer:
                 dcp.load(
                     self.layout.tensors(wanted),
                     storage_reader=self.storage.reader(record.name),
+                    planner=ListedKeysPlanner(record.name),  # a listed unit it lacks is damage, not a bug
                     process_group=self.process_group,
                 )
             except CheckpointException as err:  # DCP gathers every rank's failure: all ranks decide alike
@@ -537,6 +677,10 @@ class PECCheckpointer:
             self._k_choice_said = choice
 
     @property
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
+
+    @property
     def _is_coordinator(self) -> bool:
         return not dist.is_initialized() or dist.get_rank(self.process_group) == 0
 
@@ -554,6 +698,56 @@ def expected_state_ratio(optimizer: torch.optim.Optimizer | None) -> float:
     if name == "SGD":
         return 1.0 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0.0
     return {"Adagrad": 1.0, "RMSprop": 1.0, "Adadelta": 2.0}.get(name, 2.0)
+
+
+def read_manifest(storage: CheckpointStorage) -> Manifest:
+    """The committed manifest under ``storage``; if it is unreadable (damaged, or failing its CRC32C), the one
+    committed before it, saying so. No manifest is an empty one."""
+    data = storage.get(MANIFEST)
+    if data is None:
+        return Manifest()
+    try:
+        return Manifest.from_json(data)
+    except ManifestError as err:
+        previous = storage.get(PREVIOUS_MANIFEST)
+        if previous is None:
+            raise ManifestError(f"{storage.url}/{MANIFEST} is unreadable ({err}) and no previous "
+                                "manifest exists to fall back to") from err
+        manifest = Manifest.from_json(previous)
+        print(f"[moc_lightning] {MANIFEST} is unreadable ({err}); using the previous manifest "
+              f"(latest step {manifest.latest.step if manifest.latest else None})")
+        return manifest
+
+
+def read_description(storage: CheckpointStorage, name: str) -> dict[str, Any]:
+    """The verified ``moc.json`` of checkpoint ``name``; :class:`UnreadableCheckpoint` if missing or damaged."""
+    data = storage.get(f"{name}/moc.json")
+    if data is None:
+        raise UnreadableCheckpoint(name, f"{name}/moc.json is missing")
+    try:
+        return unseal(data)
+    except SealError as err:
+        raise UnreadableCheckpoint(name, f"{name}/moc.json {err}") from err
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One rank's failure of a phase: the rank it happened on, one line saying what, and (locally) the error."""
+
+    rank: int
+    text: str
+    error: BaseException | None = dataclasses.field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, where: str, err: BaseException, rank: int) -> _Failure:
+        """``err`` raised at ``where`` on ``rank``: DCP reports every rank's failure on every rank, so the
+        rank that really failed is taken from it; the OS error behind it (a full disk) is named if any."""
+        dcp_failure = find_cause(err, CheckpointException)
+        cause: BaseException = err
+        if dcp_failure is not None and dcp_failure.failures:
+            rank, (cause, _) = min(dcp_failure.failures.items())
+        cause = find_cause(cause, OSError) or cause
+        return cls(rank, f"{where}: {type(cause).__name__}: {cause}"[:500], err)
 
 
 def _whole_rows(tensor: torch.Tensor) -> RowRange:

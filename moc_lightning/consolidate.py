@@ -31,12 +31,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
-from moc_lightning.checkpointer import MANIFEST
+from moc_lightning.checkpointer import MANIFEST, UnreadableCheckpoint, read_description, read_manifest
 from moc_lightning.layout import param_key
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
-from moc_lightning.storage import CheckpointStorage, make_storage
+from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
@@ -103,9 +104,8 @@ class StorageRoot:
         self._storages: dict[str, CheckpointStorage] = {}
 
     def manifest(self) -> Manifest:
-        """The committed manifest, which must list at least one checkpoint."""
-        data = self._storage(CONTROL_BACKEND).get(MANIFEST)
-        manifest = Manifest() if data is None else Manifest.from_json(data)
+        """The committed manifest (the previous one if it is damaged), which must list at least one checkpoint."""
+        manifest = read_manifest(self._storage(CONTROL_BACKEND))
         if manifest.latest is None:
             raise ConsolidateError(
                 f"no committed checkpoint under {self.url!r}: no {MANIFEST}, or it lists none; is this the "
@@ -115,8 +115,7 @@ class StorageRoot:
 
     def layout(self, record: CheckpointRecord) -> dict[str, Any]:
         """The ``layout`` section of a checkpoint's ``moc.json``: ``num_experts`` and the parameter map."""
-        data = self._storage(CONTROL_BACKEND).get(f"{record.name}/moc.json")
-        layout = json.loads(data).get("layout") if data is not None else None
+        layout = read_description(self._storage(CONTROL_BACKEND), record.name).get("layout")
         if layout is None:
             raise ConsolidateError(
                 f"{record.name}/moc.json has no parameter map (written by an older moc_lightning, or lost); "
@@ -182,7 +181,14 @@ def read_pieces(root: StorageRoot, chosen: Plan, progress: bool = True) -> list[
     pieces: list[Piece] = []
     for record, units in tqdm(chosen.reads(), desc="moc-consolidate", unit="checkpoint", disable=not progress):
         params = root.layout(record)["params"]
-        pieces += place(read_units(root.reader(record), units), params, record)
+        try:
+            tensors = read_units(root.reader(record), units)
+        except (CheckpointException, CorruptCheckpointError) as err:  # DCP wraps the reader's report
+            corrupt = corrupt_from(err)
+            if corrupt is None:
+                raise
+            raise UnreadableCheckpoint(record.name, corrupt.detail) from err
+        pieces += place(tensors, params, record)
     return pieces
 
 
@@ -314,8 +320,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         with warnings.catch_warnings():  # DCP warns on every single-process call, which is all this command makes
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             provenance = consolidate(args.checkpoint_dir, args.out, args.format, allow_missing=args.allow_missing)
-    except (ConsolidateError, ManifestError) as err:
-        parser.exit(1, f"moc-consolidate: error: {err}\n")
+    except (ConsolidateError, ManifestError, UnreadableCheckpoint) as err:  # damage included: one line, no traceback
+        message = " ".join(str(err).split())
+        parser.exit(1, f"moc-consolidate: error: {message}\n")
     print(f"moc-consolidate: wrote step {provenance['step']} to {args.out} ({args.format})")
 
 

@@ -6,14 +6,17 @@ read. The newest stored version of a unit is the newest listed checkpoint that h
 the newest ``retention`` checkpoints and, beyond them, every checkpoint that still holds some unit's
 newest version, so it never removes the only stored version of a unit.
 
-Pure data: (de)serialisation validates everything and raises :class:`ManifestError` on bad bytes.
+Pure data: (de)serialisation validates everything and raises :class:`ManifestError` on bad bytes. The JSON
+is sealed (:mod:`moc_lightning.sealed`): its CRC32C is checked before anything in it is believed.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
+from typing import Any
+
+from moc_lightning.sealed import SealError, seal, unseal
 
 from moc_lightning.lineage import Lineage
 
@@ -117,21 +120,29 @@ class Manifest:
         return replace(self, records=kept), removed
 
     def to_json(self) -> bytes:
-        raw = {"format": FORMAT_VERSION, "records": [asdict(r) for r in self.records]}
+        return seal(self.to_dict(), indent=1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of this manifest (what :meth:`to_json` seals)."""
+        raw: dict[str, Any] = {"format": FORMAT_VERSION, "records": [asdict(r) for r in self.records]}
         if self.lineage is not None:
             raw["lineage"] = self.lineage.to_json()
-        return json.dumps(raw, indent=1).encode()
+        return raw
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        """Parse and validate; anything malformed raises :class:`ManifestError` naming the problem."""
+        """Verify, parse and validate; anything damaged or malformed raises :class:`ManifestError` naming it."""
         try:
-            raw = json.loads(data.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ManifestError(f"manifest is not valid JSON: {err}") from err
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
-            found = raw.get("format") if isinstance(raw, dict) else raw
-            raise ManifestError(f"manifest format must be {FORMAT_VERSION}, got {found!r:.80}")
+            raw = unseal(data)
+        except SealError as err:
+            raise ManifestError(f"manifest {err}") from err
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        """Validate the JSON object of a manifest (:meth:`from_json` after the checksum)."""
+        if raw.get("format") != FORMAT_VERSION:
+            raise ManifestError(f"manifest format must be {FORMAT_VERSION}, got {raw.get('format')!r:.80}")
         records = raw.get("records")
         if not isinstance(records, list):
             raise ManifestError("manifest 'records' must be a list")

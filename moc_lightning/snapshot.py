@@ -2,8 +2,8 @@
 
 Each rank owns three slots under ``<shm_root>/<run>/<node>/rank<r>/slot<i>/``: a ``data`` file mapped
 into memory (allocated once, grown only when a larger selection needs it, then reused) and a ``meta.json``
-written last, atomically, once every byte is in place. A slot without ``meta.json`` is torn or being
-written and is never read. Living in ``/dev/shm`` the slots outlive the process: a restarted worker on a
+written last, atomically, once every byte is in place. A slot without ``meta.json``, or whose ``meta.json``
+fails its CRC32C (it is sealed JSON), is torn or being written and is never read. Living in ``/dev/shm`` the slots outlive the process: a restarted worker on a
 healthy node finds them; losing the node (its shared-memory root) loses only that node's slots.
 
 The three slots rotate as in MoC-System's Figure 9: one holds the newest persisted snapshot (the recovery
@@ -13,7 +13,6 @@ buffer), one may be in persist, the other takes the next snapshot.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 import shutil
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from moc_lightning.sealed import seal, unseal
 
 NUM_SLOTS = 3
 ALIGN = 64
@@ -60,14 +61,17 @@ class SlotMeta:
     """Small JSON state of the engine at this step (ledger, selection, K)."""
 
     def to_json(self) -> bytes:
+        """Sealed JSON (:mod:`moc_lightning.sealed`): a damaged ``meta.json`` is a torn slot, never misread."""
         entries = {k: [e.offset, e.dtype, list(e.shape)] for k, e in self.entries.items()}
-        return json.dumps(
+        return seal(
             {"slot": self.slot, "step": self.step, "units": list(self.units), "entries": entries, "extra": self.extra}
-        ).encode()
+        )
 
     @classmethod
     def from_json(cls, data: bytes) -> SlotMeta:
-        raw = json.loads(data)
+        """Verify and parse; damage raises ``ValueError`` (:class:`SealError`), a malformed object ``KeyError``
+        or ``TypeError``."""
+        raw = unseal(data)
         return cls(
             slot=int(raw["slot"]),
             step=int(raw["step"]),

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from moc_lightning.agreement import from_coordinator
 from moc_lightning.background import background_executor
-from moc_lightning.checkpointer import PECCheckpointer, SaveReport, UnreadableCheckpoint, stored_steps
+from moc_lightning.checkpointer import PECCheckpointer, PersistFailed, SaveReport, UnreadableCheckpoint, stored_steps
 from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
 from moc_lightning.lineage import Lineage
@@ -330,9 +330,12 @@ class TwoLevelCheckpointer:
             self.pec.prune_ledger(in_memory=self.store.steps())
         else:
             self.stats.failed_persists += 1
-            cause = find_cause(error, OSError) or error
-            print(f"[moc_lightning] rank {self.rank}: persist failed ({cause}); nothing was committed, "
-                  "training goes on and the next persist tries again")
+            if isinstance(error, PersistFailed):  # agreed by every rank: nothing committed, the group is usable
+                print(f"[moc_lightning] rank {self.rank}: {error}; training goes on and the next persist tries again")
+            else:
+                cause = find_cause(error, OSError) or error
+                print(f"[moc_lightning] rank {self.rank}: persist raised {type(cause).__name__}: {cause} outside its "
+                      "agreed phases (a peer lost?); training goes on")
         self._persist = None
         self._persisting_slot = None
 

@@ -134,3 +134,18 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "delete": Path.unlink,
 }
 """Damage a stored file can suffer, by name (test ids)."""
+
+
+def flip_byte_of(path: Path, needle: bytes, at: int = 0) -> None:
+    """Flip the lowest bit of byte ``at`` of the first ``needle`` in ``path``: damage a parser cannot see.
+
+    Flipping a letter or digit of a key or a number gives another letter or digit (``expert/L1/E4`` becomes
+    ``dxpert/L1/E4``, ``"step": 4`` becomes ``"step": 5``), so the pickle or JSON stays valid and says
+    something else; only a checksum can tell.
+    """
+    data = bytearray(path.read_bytes())
+    where = data.find(needle)
+    if where < 0:
+        raise ValueError(f"{needle!r} is not in {path}")
+    data[where + at] ^= 0x01
+    path.write_bytes(bytes(data))

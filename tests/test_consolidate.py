@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
+from storage_faults import flip_byte_of, flip_middle_byte
 from torch import nn
 from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
 
@@ -164,6 +166,31 @@ def test_bad_format_and_missing_manifest_fail_clearly(tmp_path: Path, capsys: py
     with pytest.raises(ConsolidateError, match="does not exist"):
         consolidate(str(tmp_path / "nowhere"), tmp_path / "x")
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize(
+    ("file", "damage"),
+    [
+        pytest.param("__0_0.distcp", flip_middle_byte, id="data"),
+        pytest.param(".metadata", lambda p: flip_byte_of(p, b"expert/L1/E"), id="metadata_key"),
+        pytest.param("moc.json", lambda p: flip_byte_of(p, b"num_experts"), id="moc_json_key"),
+    ],
+)
+def test_damaged_checkpoint_is_one_clear_line_and_a_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str, damage: Callable[[Path], None]
+) -> None:
+    url = (tmp_path / "ckpt").as_uri()
+    _train(_lightning_run(url), steps=4, checkpoint_steps=CHECKPOINT_STEPS)
+    damage(tmp_path / "ckpt" / "step_000000004" / file)
+    with pytest.raises(SystemExit) as exit_info:
+        main([url, "--out", str(tmp_path / "dense.ckpt")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    shown = [line.rsplit("\r", 1)[-1] for line in err.splitlines()]  # the last state of tqdm's progress line
+    (error,) = [line for line in shown if line.startswith("moc-consolidate: error:")]
+    assert "Traceback" not in err, err
+    assert "step_000000004" in error and ("corrupt" in error or "unreadable" in error), error
+    assert not (tmp_path / "dense.ckpt").exists()
 
 
 class StackedExperts(nn.Module):

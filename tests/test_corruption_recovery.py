@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
-from storage_faults import DAMAGES
+from storage_faults import DAMAGES, flip_byte_of
 from trainee import TINY, Trainee, every_step_config
 
+from moc_lightning.checkpointer import MANIFEST
+from moc_lightning.manifest import Manifest
 from moc_lightning.models import ExpertParallelTopology
+from moc_lightning.snapshot import SnapshotStore
 
 
 def _two_checkpoints(url: str) -> tuple[dict[int, dict[str, torch.Tensor]], Path]:
@@ -57,3 +61,83 @@ def test_garbage_manifest_falls_back_to_the_previous_manifest(
     restored = fresh.snapshot()
     assert all(torch.equal(restored[k], captured[2][k]) for k in restored)
     assert "manifest.json is unreadable" in capsys.readouterr().out
+
+
+def _restore(url: str) -> tuple[Trainee, object]:
+    fresh = Trainee(ExpertParallelTopology(), seed=1)
+    engine = fresh.engine(every_step_config(TINY.num_experts, TINY.num_experts), url)
+    return fresh, engine
+
+
+@pytest.mark.parametrize(
+    ("file", "needle", "at"),
+    [
+        pytest.param("step_000000004/.metadata", b"expert/L1/E4", 0, id="metadata_key"),  # -> dxpert/L1/E4
+        pytest.param("step_000000004/moc.json", b"snapshots_taken", 0, id="moc_json_key"),
+        pytest.param("step_000000004/moc.json", b'"step": 4', 8, id="moc_json_step"),  # -> "step": 5
+    ],
+)
+def test_damage_a_parser_cannot_see_falls_back_to_previous_version(
+    tmp_path: Path, file: str, needle: bytes, at: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flipped byte that leaves valid pickle or JSON is still damage: every control byte has a checksum."""
+    url = (tmp_path / "ckpt").as_uri()
+    captured, root = _two_checkpoints(url)
+    flip_byte_of(root / file, needle, at)
+    fresh, engine = _restore(url)
+    report = engine.load_latest()
+    assert report.resume_step == 2
+    restored = fresh.snapshot()
+    assert all(torch.equal(restored[k], captured[2][k]) for k in restored), "every tensor is step 2's"
+    out = capsys.readouterr().out
+    assert "step_000000004 is unreadable" in out and "CRC32C" in out, out
+    assert [r.step for r in engine.read_manifest().records] == [2]
+
+
+def test_manifest_damage_a_parser_cannot_see_falls_back_to_the_previous_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = (tmp_path / "ckpt").as_uri()
+    captured, root = _two_checkpoints(url)
+    flip_byte_of(root / "manifest.json", b'"step": 4', 8)  # valid JSON, now says step 5
+    fresh, engine = _restore(url)
+    report = engine.load_latest()
+    assert report.resume_step == 2
+    restored = fresh.snapshot()
+    assert all(torch.equal(restored[k], captured[2][k]) for k in restored)
+    out = capsys.readouterr().out
+    assert "manifest.json is unreadable" in out and "CRC32C" in out, out
+
+
+def test_a_unit_the_manifest_lists_but_the_checkpoint_lacks_is_an_unreadable_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP's "Missing key in checkpoint state_dict" from a checkpoint said to hold the unit: fall back, not crash."""
+    url = (tmp_path / "ckpt").as_uri()
+    trainee = Trainee(ExpertParallelTopology())
+    engine = trainee.engine(every_step_config(TINY.num_experts, TINY.num_experts), url)
+    trainee.step(1)
+    engine.checkpoint(1)
+    at_step_1 = trainee.snapshot()
+    trainee.step(2)
+    engine.persist(2, engine.layout.dense_units)  # dense units only
+    manifest = engine.read_manifest()
+    first, second = manifest.records
+    claims_more = Manifest((first, dataclasses.replace(second, units=(*second.units, "expert/L1/E4"))))
+    engine.storage.put(MANIFEST, claims_more.to_json())  # a valid manifest that is wrong about step 2
+
+    fresh, engine = _restore(url)
+    report = engine.load_latest()
+    assert report.resume_step == 1
+    restored = fresh.snapshot()
+    assert all(torch.equal(restored[k], at_step_1[k]) for k in restored)
+    out = capsys.readouterr().out
+    assert "step_000000002 is unreadable" in out and "expert/L1/E4" in out, out
+
+
+def test_slot_metadata_damage_a_parser_cannot_see_skips_the_slot(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "slots")
+    store.write(0, 7, ("dense/a",), {"dense/a/param/w": torch.ones(3)}, {"engine": {}})
+    store.write(1, 8, ("dense/a",), {"dense/a/param/w": torch.ones(3)}, {"engine": {}})
+    flip_byte_of(store.slot_dir(1) / "meta.json", b'"step": 8', 8)  # valid JSON, now says step 9
+    assert [m.step for m in SnapshotStore(tmp_path / "slots").committed()] == [7], "the damaged slot is torn"

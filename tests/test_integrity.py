@@ -16,11 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from storage_faults import DAMAGES, FaultyStorage, flip_middle_byte, small_filesystem, truncate_to_half
+from storage_faults import (
+    DAMAGES,
+    FaultyStorage,
+    flip_byte_of,
+    flip_middle_byte,
+    small_filesystem,
+    truncate_to_half,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
+from moc_lightning.checkpointer import MANIFEST, PECCheckpointer, PersistFailed
 from moc_lightning.layout import build_layout
 from moc_lightning.manifest import Manifest
 from moc_lightning.models import ExpertParallelTopology
@@ -252,20 +259,21 @@ def test_a_persist_failing_anywhere_commits_nothing(tmp_path: Path, backend: str
     """A data write failing midway (step 2) or the manifest put failing (step 3) leaves step 1 the latest."""
     url = str(tmp_path / "ckpt")
     trainee = Trainee(ExpertParallelTopology())
-    # puts: step 1 moc.json, manifest; step 3 moc.json, then its manifest fails (step 2 never gets to a put)
-    faulty = FaultyStorage(make_storage(backend, url), fail_writes={2: errno.ENOSPC}, fail_puts={4: errno.EIO})
+    # puts: step 1's moc.json, previous manifest, manifest (1-3); step 3's (step 2 never gets to a put): its
+    # manifest put (6) fails
+    faulty = FaultyStorage(make_storage(backend, url), fail_writes={2: errno.ENOSPC}, fail_puts={6: errno.EIO})
     engine = _engine(trainee, faulty)
     trainee.step(1)
     engine.checkpoint(1)
     at_step_1 = trainee.snapshot()
     trainee.step(2)
-    with pytest.raises(CheckpointException) as caught:
+    with pytest.raises(PersistFailed) as caught:
         engine.checkpoint(2)
     assert _oserror(caught.value).errno == errno.ENOSPC
     trainee.step(3)
-    with pytest.raises(OSError) as caught_put:
+    with pytest.raises(PersistFailed, match="commit:manifest: OSError") as caught_put:
         engine.checkpoint(3)
-    assert caught_put.value.errno == errno.EIO
+    assert _oserror(caught_put.value).errno == errno.EIO
     storage = make_storage(backend, url)
     assert [r.step for r in Manifest.from_json(storage.get(MANIFEST)).records] == [1]
     fresh = Trainee(ExpertParallelTopology(), seed=1)
@@ -300,3 +308,17 @@ def test_real_full_disk_raises_enospc_and_commits_nothing(full_disk: Path, backe
     assert corrupt_from(refused.value) is not None
     storage.delete("step_2")  # room again: the committed checkpoint still verifies and loads
     assert torch.equal(_load(storage, "step_1")["w"][2:6], _state()["w"][2:6])
+
+
+@pytest.mark.parametrize("key", [b"note", b"w"])
+def test_metadata_damage_that_keeps_the_pickle_valid_is_reported(
+    storage: CheckpointStorage, tmp_path: Path, key: bytes
+) -> None:
+    """A renamed key (``note`` -> ``ooue``) unpickles fine; only ``.metadata``'s own checksum catches it."""
+    _save(storage)
+    path = tmp_path / NAME / ".metadata"
+    flip_byte_of(path, key)
+    pickle.loads(path.read_bytes())  # still a valid pickle
+    error, loaded = _corruption(storage)
+    assert NAME in error.checkpoint and ".metadata" in error.detail and "CRC32C" in error.detail, str(error)
+    _assert_nothing_damaged_delivered(loaded)

@@ -16,16 +16,20 @@ import lightning as L
 import pytest
 import torch
 from storage_faults import flip_middle_byte
+from trainee import TINY, Trainee, every_step_config
 
 from moc_lightning.callback import MoCCheckpoint, check_shm_root
+from moc_lightning.checkpointer import PECCheckpointer, PersistFailed
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import build_layout
-from moc_lightning.lineage import Lineage, Segment
-from moc_lightning.models import GPTMoEConfig
+from moc_lightning.lineage import Lineage, Segment, fingerprint
+from moc_lightning.manifest import Manifest
+from moc_lightning.models import ExpertParallelTopology, GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.snapshot import NUM_SLOTS
 from moc_lightning.start import SET_ASIDE
+from moc_lightning.storage import make_storage
 
 MODEL = GPTMoEConfig(block_size=32)
 
@@ -242,3 +246,26 @@ def test_lineage_admits_only_its_current_timeline() -> None:
     assert Lineage.from_json(lineage.to_json()) == lineage
     with pytest.raises(ValueError, match="segment 1"):
         Lineage.from_json({**lineage.to_json(), "segments": [[0, 0], [2, 5]]})
+
+
+def test_a_persist_into_another_runs_storage_writes_nothing(tmp_path: Path) -> None:
+    """Two runs at one storage URL (the second started with resume=never while the first still trains): the
+    first run's next persist is refused before any rank writes, so the second run's checkpoints stay intact."""
+    def engine() -> PECCheckpointer:
+        topology = ExpertParallelTopology.from_process_group()
+        layout = build_layout(Trainee(topology).model, None, num_experts=TINY.num_experts)
+        storage = make_storage("filesystem", f"file://{tmp_path}/ckpt")
+        pec = PECCheckpointer(every_step_config(1, 1), layout, topology, storage)
+        pec.lineage = Lineage.start(fingerprint(layout))
+        return pec
+
+    first, second = engine(), engine()
+    first.commit_lineage(Manifest(lineage=first.lineage))
+    first.persist(1, first._all_units())
+    second.commit_lineage(Manifest(lineage=second.lineage))  # the second run takes the URL over
+    second.persist(2, second._all_units())
+    written = sorted(p.stat().st_mtime_ns for p in (tmp_path / "ckpt" / "step_000000002").rglob("*"))
+    with pytest.raises(PersistFailed, match=rf"lineage: LineageError: .* belongs to lineage {second.lineage.run_id}"):
+        first.persist(2, first._all_units())
+    assert sorted(p.stat().st_mtime_ns for p in (tmp_path / "ckpt" / "step_000000002").rglob("*")) == written
+    assert [r.step for r in second.read_manifest().records] == [2]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
+from moc_lightning.sealed import seal
 
 DENSE = ("dense/a", "dense/b")
 
@@ -58,16 +57,27 @@ def test_json_round_trip() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (b"\xff\xfe", "not valid JSON"),
-        (b"{", "not valid JSON"),
-        (b"[]", "manifest format must be 1"),
-        (b'{"format": 1, "records": {}}', "'records' must be a list"),
-        (b'{"format": 1, "records": [{"name": "x"}]}', "field 'step' must be int"),
+        (b"\xff\xfe", "has no CRC32C"),
+        (b"{", "has no CRC32C"),
+        (b'{"format": 1, "records": []}', "has no CRC32C"),  # written without a seal
+        (seal({"format": 2, "records": []}), "manifest format must be 1"),
+        (seal({"format": 1, "records": {}}), "'records' must be a list"),
+        (seal({"format": 1, "records": [{"name": "x"}]}), "field 'step' must be int"),
     ],
 )
 def test_garbage_is_refused_with_a_reason(data: bytes, message: str) -> None:
     with pytest.raises(ManifestError, match=message):
         Manifest.from_json(data)
+
+
+def test_every_byte_is_checked_before_parsing() -> None:
+    """A flipped bit anywhere (a digit of a step, a letter of a key, whitespace) is refused, never misread."""
+    data = _manifest().to_json()
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 0x01
+        with pytest.raises(ManifestError, match="CRC32C"):
+            Manifest.from_json(bytes(damaged))
 
 
 @given(st.binary(max_size=300))
@@ -85,7 +95,7 @@ def test_random_bytes_never_parse_silently(data: bytes) -> None:
 def test_random_json_documents_raise_only_manifest_errors(doc: object) -> None:
     """Any other exception (KeyError, TypeError, ...) fails the test: bad input gets a ManifestError."""
     try:
-        manifest = Manifest.from_json(json.dumps({"format": 1, "records": [doc]}).encode())
+        manifest = Manifest.from_json(seal({"format": 1, "records": [doc]}))
     except ManifestError:
         return
     assert all(isinstance(r, CheckpointRecord) and r.step >= 0 for r in manifest.records)

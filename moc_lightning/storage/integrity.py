@@ -5,8 +5,11 @@ verify every item before handing its bytes to DCP's planner, and report any dama
 :class:`CorruptCheckpointError`, so the engine can tell "this stored version is unusable, fall back to an
 older one" from every other failure (a bug, a full disk), which must stay loud.
 
-Checksums are CRC32C: hardware-accelerated (about 15 GB/s on this machine class, twice ``zlib.crc32``),
-and the checksum zarr v3's ``crc32c`` codec stores, so both backends use one algorithm.
+Checksums are CRC32C (:func:`moc_lightning.sealed.checksum`), on every item and on DCP's ``.metadata``
+itself: a flipped byte there can leave a valid pickle that names another key (``expert/L1/E4`` read as
+``dxpert/L1/E4``), which DCP would report as a missing key rather than damage. ``.metadata`` is the pickle
+followed by ``MOC-CRC32C`` and the pickle's CRC32C (4 bytes, big-endian); ``pickle.load`` stops at the
+pickle's end, so DCP's own reader still reads it.
 """
 
 from __future__ import annotations
@@ -15,14 +18,21 @@ import pickle
 from collections import deque
 from typing import TypeVar
 
-import google_crc32c
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from moc_lightning.sealed import checksum
 
 METADATA_NAME = ".metadata"
 """DCP's name for the object whose presence makes a location a finished checkpoint (both backends)."""
+
+METADATA_SEAL = b"MOC-CRC32C"
+"""What follows the pickle in ``.metadata``, before the pickle's CRC32C."""
 
 E = TypeVar("E", bound=BaseException)
 
@@ -43,11 +53,6 @@ class CorruptCheckpointError(BaseException):
 
     def __str__(self) -> str:
         return f"checkpoint {self.checkpoint} is corrupt: {self.detail}"
-
-
-def checksum(data: bytes) -> int:
-    """The CRC32C of ``data``."""
-    return google_crc32c.value(data)
 
 
 def verified(checkpoint: str, what: str, data: bytes, length: int, crc: int) -> bytes:
@@ -74,20 +79,56 @@ def commit_piece(planner: LoadPlanner, item: ReadItem, piece: torch.Tensor, chec
     planner.commit_tensor(item, target)
 
 
+def metadata_bytes(metadata: Metadata, results: list[list[WriteResult]], storage_meta: StorageMeta | None) -> bytes:
+    """What a writer's ``finish`` publishes as ``.metadata``: DCP's metadata, completed with where every item
+    went (``results``), pickled and sealed with its CRC32C."""
+    metadata.version = CURRENT_DCP_VERSION
+    metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
+    metadata.storage_meta = storage_meta
+    data = pickle.dumps(metadata)
+    return data + METADATA_SEAL + checksum(data).to_bytes(4, "big")
+
+
 def load_metadata(checkpoint: str, data: bytes | None, load_id: str) -> Metadata:
-    """The DCP metadata in ``data`` (``None``: the object is missing), stamped with this load's id."""
+    """The DCP metadata in ``data`` (``None``: the object is missing), verified, stamped with this load's id."""
     if data is None:
         detail = f"{METADATA_NAME} is missing: its save never finished, or it was removed"
         raise CorruptCheckpointError(checkpoint, detail)
+    tail = len(METADATA_SEAL) + 4
+    if len(data) < tail or data[-tail:-4] != METADATA_SEAL:
+        detail = f"{METADATA_NAME} has no CRC32C seal at its end: damaged, truncated, or written without one"
+        raise CorruptCheckpointError(checkpoint, detail)
+    body = verified(checkpoint, METADATA_NAME, data[:-tail], len(data) - tail, int.from_bytes(data[-4:], "big"))
     try:
-        metadata = pickle.loads(data)
-    except Exception as err:  # unpickling damaged bytes can fail with almost any exception type
+        metadata = pickle.loads(body)
+    except Exception as err:  # only if written so: the checksum matched
         raise CorruptCheckpointError(checkpoint, f"{METADATA_NAME} cannot be unpickled: {err!r}") from err
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(checkpoint, f"{METADATA_NAME} holds a {type(metadata).__name__}, not DCP Metadata")
     metadata.storage_meta = metadata.storage_meta or StorageMeta()
     metadata.storage_meta.load_id = load_id
     return metadata
+
+
+class ListedKeysPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that a key the caller asks for and the checkpoint lacks is damage.
+
+    The engine asks a checkpoint only for units its manifest record says it holds, so a missing key means
+    the checkpoint is not what was committed: :class:`CorruptCheckpointError` (DCP would raise a plain
+    ``RuntimeError``, which recovery cannot tell from a bug).
+    """
+
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        missing = sorted(key for key in self.state_dict if key not in stored)
+        if missing:
+            detail = f"it lacks keys {missing[:3]} ({len(missing)} in all) of units the manifest says it holds"
+            raise CorruptCheckpointError(self.checkpoint, detail)
+        return super().create_local_plan()
 
 
 def find_cause(exc: BaseException, kind: type[E]) -> E | None:

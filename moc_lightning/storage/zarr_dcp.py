@@ -4,7 +4,7 @@ Layout of one checkpoint (keys under its kvstore prefix)::
 
     <fqn>/@<o0>.<o1>...     zarr v3 array: the chunk of tensor <fqn> whose offsets are (o0, o1, ...)
     .bytes/<plan index>     non-tensor values of one rank's plan, concatenated (torch.save bytes)
-    .metadata               pickled DCP Metadata, written last by the coordinator
+    .metadata               pickled DCP Metadata + its CRC32C, written last by the coordinator
 
 **One array per (fqn, chunk offset), not one full-shape array per fqn.** Every chunk is written by exactly
 one rank (DCP plans never write one ``MetadataIndex`` twice), so with one array per chunk no two
@@ -20,8 +20,8 @@ rank's ``write_data`` has committed (TensorStore acknowledges a write once it is
 driver fsyncs the file and its directory), and removes a stale one before any rank writes.
 
 Integrity: every zarr chunk ends with its CRC32C (zarr's ``crc32c`` codec, checked by TensorStore on every
-read), a missing zarr chunk is an error rather than fill values, and each non-tensor value's CRC32C is in
-``.metadata``. Damage of any kind raises :class:`CorruptCheckpointError`.
+read), a missing zarr chunk is an error rather than fill values, each non-tensor value's CRC32C is in
+``.metadata``, and ``.metadata`` carries its own. Damage of any kind raises :class:`CorruptCheckpointError`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import functools
 import io
 import math
 import os
-import pickle
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -41,7 +40,6 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import tensorstore as ts
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -63,6 +61,7 @@ from moc_lightning.storage.integrity import (
     checksum,
     commit_piece,
     load_metadata,
+    metadata_bytes,
     verified,
 )
 from moc_lightning.storage.location import kvstore_spec, open_kvstore
@@ -239,12 +238,9 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Publish the checkpoint: ``.metadata`` (with where every item went) is the last object written."""
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
-        metadata.storage_meta = self.storage_meta()
+        """Publish the checkpoint: ``.metadata`` (with where every item went, sealed) is the last object written."""
         with os_errors_raised():
-            self.kvstore.write(METADATA_NAME, pickle.dumps(metadata)).result()
+            self.kvstore.write(METADATA_NAME, metadata_bytes(metadata, results, self.storage_meta())).result()
 
 
 class TensorStoreReader(CheckpointLocation, StorageReader):
