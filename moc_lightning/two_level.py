@@ -370,7 +370,9 @@ class TwoLevelCheckpointer:
         engine_state, trainer_state, trainer_state_rank = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
         stored = {
-            parse_unit(key): manifest.by_name(src.checkpoint) for key, src in plan.sources.items() if src.level == "storage"
+            parse_unit(key): manifest.by_name(src.checkpoint)
+            for key, src in plan.sources.items()
+            if src.level == "storage"
         }
         in_memory = self._memory_specs(plan, by_slot)
         restored = [parse_unit(key) for key, src in plan.sources.items() if src.level != "none"]

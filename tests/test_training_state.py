@@ -25,7 +25,9 @@ from moc_lightning.two_level import TwoLevelCheckpointer
 from moc_lightning.units import dense, expert
 
 
-def _engine(model: BufferedMoE, optimizer: torch.optim.Optimizer, tmp_path: Path, shm: str, **kw: Any) -> TwoLevelCheckpointer:
+def _engine(
+    model: BufferedMoE, optimizer: torch.optim.Optimizer, tmp_path: Path, shm: str, **kw: Any
+) -> TwoLevelCheckpointer:
     config = CheckpointConfig(
         k_snapshot=N, k_persist=N, every_n_train_steps=1, storage=StorageConfig(url=(tmp_path / "ckpt").as_uri()),
         shm_root=str(tmp_path / "shm"), **kw,
