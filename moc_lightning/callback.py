@@ -11,8 +11,10 @@ there and then; GPU tensors on a side stream while the next forward/backward run
 commits it; the next optimizer step waits only for what is not done. Every ``persist_every_n_snapshots``
 snapshots one is persisted to storage in the background, and when ``fit`` ends every unit is persisted.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from
-surviving snapshots (this rank's or a peer's) or storage, and Lightning's loops, optimizer, schedulers and
-RNG from the state captured with the resume step.
+surviving snapshots (this rank's or a peer's) or storage, and the rest of the training state from what this
+rank captured with the resume step (:mod:`moc_lightning.trainer_state`: loops and the train loader's
+position, optimizer hyperparameters, schedulers, precision plugin, datamodule, other callbacks, what the
+module and callbacks add in ``on_save_checkpoint``, and this rank's RNG, set just before the next step).
 
 The LightningModule tells the callback about its experts through two optional members: ``moe_layers()``
 (MoE layers whose routers report ``tokens_per_expert``/``tokens_assigned``; without it PLT is not measured)
@@ -33,10 +35,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.trainer import call as _call
 
+from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.config import CheckpointConfig
@@ -65,7 +67,11 @@ class MoCCheckpoint(Checkpoint):
         self._last_step = -1
         self._slots_sized = False
         self._restored_state: dict[str, Any] | None = None
+        self._step_state: dict[str, Any] | None = None
+        """The trainer state captured at the end of the latest step that needed it (a snapshot, the last step)."""
         self._fresh_start = False
+        self._rng_to_restore: dict[str, Any] | None = None
+        self._warned_not_resumable = False
 
     # ------------------------------------------------------------ resuming
     def resume_target(self, default_root_dir: str | Path | None = None) -> str | None:
@@ -154,6 +160,8 @@ class MoCCheckpoint(Checkpoint):
         self.recovery = report
         self._write_recovery_report(report)
         checkpoint = dict(report.trainer_state or {})
+        if report.trainer_state_rank not in (None, self.engine.rank):  # another rank's stands in for a lost one
+            checkpoint[trainer_state.RNG_KEY] = trainer_state.derived_rng_states(report.resume_step, self.engine.rank)
         checkpoint["state_dict"] = module.state_dict()
         optimizer_state = optimizer.state_dict()
         saved = checkpoint.get("optimizer_states") or [{}]
@@ -220,9 +228,12 @@ class MoCCheckpoint(Checkpoint):
         if not self._slots_sized:
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
-        if step != self._last_step and step % self.config.every_n_train_steps == 0:
+        snapshot_due = step != self._last_step and step % self.config.every_n_train_steps == 0
+        if snapshot_due or 0 < trainer.max_steps <= step or trainer.should_stop:
+            self._step_state = trainer_state.capture(trainer, self.state_key)
+        if snapshot_due:
             self._last_step = step
-            engine.snapshot(step, _trainer_state(trainer, self.state_key), may_persist=not self._final(trainer))
+            engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         engine.faults.at("train", step)
 
     def on_before_optimizer_step(
@@ -256,7 +267,7 @@ class MoCCheckpoint(Checkpoint):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.engine.finish()
         if self.config.persist_on_fit_end:
-            report = self.engine.persist_final(trainer.global_step, _trainer_state(trainer, self.state_key))
+            report = self.engine.persist_final(trainer.global_step, self._last_step_state(trainer))
             if report is None and trainer.is_global_zero:
                 print(f"[moc_lightning] step {trainer.global_step} was persisted already (with "
                       f"k_persist={self.engine.pec.dynamic_k.k_persist} experts per layer); no final full persist")
@@ -264,6 +275,15 @@ class MoCCheckpoint(Checkpoint):
             print(self.summary())
         if self.config.remove_snapshots_on_fit_end:
             self._remove_snapshots()
+
+    def _last_step_state(self, trainer: L.Trainer) -> dict[str, Any]:
+        """The trainer state as of the end of the last step, as a snapshot there holds it. Captured now it
+        would be wrong when fit stopped mid-epoch (``max_steps``, a stop request): Lightning has marked the
+        epoch completed by then, so a resume would start the next epoch and skip the rest of this one."""
+        state = self._step_state
+        if state is not None and state["global_step"] == trainer.global_step:
+            return state
+        return trainer_state.capture(trainer, self.state_key)  # fit ended at an epoch's end: nothing skipped
 
     def _remove_snapshots(self) -> None:
         """A finished run's slots are of no further use (its last step is persisted): free the shared memory.
@@ -316,8 +336,17 @@ class MoCCheckpoint(Checkpoint):
     def on_load_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if "moc_rng" in checkpoint:
-            _set_rng_states(checkpoint["moc_rng"])
+        self._rng_to_restore = checkpoint.get(trainer_state.RNG_KEY)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """This rank's RNG streams as they were after the resume step, set just before the next step runs:
+        Lightning's set-up after loading (the train loader's iterator, ...) would otherwise draw from them."""
+        if self._rng_to_restore is not None:
+            _set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+        if not self._warned_not_resumable:
+            self._warned_not_resumable = True
+            trainer_state.warn_if_not_resumable(trainer)
 
 
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:
@@ -376,35 +405,6 @@ class _MoCCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.delegate.teardown()
-
-
-def _trainer_state(trainer: L.Trainer, own_key: str) -> dict[str, Any]:
-    """What Lightning restores besides tensors (loops, schedulers, optimizer hyperparameters, other
-    callbacks, RNG), captured cheaply on the training thread: ``dump_checkpoint`` would also walk the model
-    and optimizer state, which MoC saves itself, and the snapshot step would stall for it."""
-    callbacks = _call._call_callbacks_state_dict(trainer)
-    callbacks.pop(own_key, None)  # the engine's own state travels separately, as of the resume step
-    return {
-        "epoch": trainer.current_epoch,
-        "global_step": trainer.global_step,
-        "pytorch-lightning_version": L.__version__,
-        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
-        "callbacks": callbacks,
-        "optimizer_states": [{"param_groups": _param_groups(optimizer)} for optimizer in trainer.optimizers],
-        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-        "moc_rng": _collect_rng_states(include_cuda=torch.cuda.is_available()),
-    }
-
-
-def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """``optimizer.state_dict()["param_groups"]`` without building the per-parameter state."""
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        count = len(group["params"])
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyperparameters, "params": list(range(start, start + count))})
-        start += count
-    return groups
 
 
 def _fresh_optimizer(module: L.LightningModule) -> torch.optim.Optimizer:

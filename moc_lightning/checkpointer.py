@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.distributed import collective_device
-from moc_lightning.layout import Layout, materialize_optimizer_state, param_key
+from moc_lightning.layout import Layout, TensorSpec, slot_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
 from moc_lightning.lineage import Lineage, LineageError
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
@@ -41,11 +42,14 @@ from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.size_model import SizeModel, size_model
-from moc_lightning.storage import CheckpointStorage, corrupt_from, find_cause
+from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, find_cause
 from moc_lightning.storage.integrity import ListedKeysPlanner
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 MANIFEST = "manifest.json"
+RANK_STATE = "rank_state/{rank}"
+"""DCP key of one rank's trainer state (loops, RNG, data position, ...) inside a persist: a bytes item each
+rank writes itself, checksummed and committed with the checkpoint's tensors."""
 PREVIOUS_MANIFEST = "manifest.previous.json"
 
 COMMIT_POINTS = ("commit:description", "commit:previous_manifest", "commit:manifest", "commit:retention")
@@ -276,8 +280,9 @@ class PECCheckpointer:
 
         By default this rank writes the rows the ownership gives it, from the live tensors. With
         ``from_slot`` it writes those tensors (a snapshot slot: whole units it owns) as they are, and
-        ``engine_state``/``trainer_state`` are the states captured with that snapshot. ``supersede``: replace
-        the latest committed checkpoint, of the same step, whose units are a subset of ``units``.
+        ``engine_state``/``trainer_state`` are the states captured with that snapshot. Every rank's own
+        ``trainer_state`` is written as its bytes item :data:`RANK_STATE`; the coordinator's also goes into
+        ``moc.json``, the fallback for a rank that finds no item of its own (a larger world size).
         """
         start = time.perf_counter()
         name = checkpoint_name(step, final=supersede)
@@ -287,11 +292,16 @@ class PECCheckpointer:
         failure: _Failure | None = None
         try:
             if from_slot is None:
-                state = self.layout.tensors([u for u in units if u in self.layout.slots])
+                state: dict[str, Any] = self.layout.tensors([u for u in units if u in self.layout.slots])
                 writes = self._writes(units, state)
             else:
                 state = dict(from_slot)
                 writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
+            if trainer_state is not None:  # this rank's own: RNG and data position differ per rank
+                rank_key = RANK_STATE.format(rank=self.topology.rank)
+                state[rank_key] = trainer_state
+                if writes is not None:
+                    writes[rank_key] = (0, 1)
             planner = MoCSavePlanner(writes)
             dcp.save(state, storage_writer=self.storage.writer(name), planner=planner, process_group=self.process_group)
             written = owned_bytes(planner.plan)  # the final local plan, after any deduplication
@@ -469,14 +479,14 @@ class PECCheckpointer:
         }
 
     def _gather_param_sources(self) -> dict[str, dict[str, Any]]:
-        """Weight key -> ``{"param": name, "index": stacked slice or None}`` of every unit on any rank.
+        """Weight and buffer key -> ``{"param": name, "index": stacked slice or None}`` of every unit on any rank.
 
         Gathered once from all ranks, because under expert parallelism the coordinator that describes a
         checkpoint does not hold the other ranks' experts.
         """
         if self._param_sources is None:
             local = {
-                param_key(unit, slot.local_name): {"param": slot.param, "index": slot.index}
+                slot_key(unit, slot): {"param": slot.param, "index": slot.index}
                 for unit, slots in self.layout.slots.items()
                 for slot in slots
             }
@@ -598,34 +608,63 @@ class PECCheckpointer:
     def _load_newest(self, manifest: Manifest) -> LoadReport:
         latest = manifest.latest
         self.load_state_dict(self.read_description(latest)["engine"])
-        self.prepare_for_load()
         sources = {unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()}
         missing = [u.key for u in self.layout.dense_units if sources[u] is not latest]
         if missing:
             raise RuntimeError(f"checkpoint {latest.name} lacks dense units {missing[:5]}; it cannot be resumed")
-        self.load_from_storage({u: r for u, r in sources.items() if r is not None})
+        stored = {u: r for u, r in sources.items() if r is not None}
+        self.prepare_for_load(stored, self.stored_specs(stored))
+        self.load_from_storage(stored)
         restored_from = [
             [sources[ExpertUnit(layer, e)].step if sources[ExpertUnit(layer, e)] else NEVER for e in range(n)]
             for layer, n in enumerate(self.layout.num_experts)
         ]
         return self.account_recovery(latest.step, restored_from)
 
-    def prepare_for_load(self) -> None:
-        """Create the optimizer's state tensors so loads have somewhere to go (a fresh optimizer has none)."""
-        if self.layout.optimizer is not None:
-            materialize_optimizer_state(self.layout.optimizer)
+    def prepare_for_load(self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]) -> None:
+        """Give the restored ``units`` exactly the optimizer state their sources hold (``specs``: the slot
+        entries' and DCP metadata's keys, shapes and dtypes), as tensors to load into; see
+        :meth:`Layout.reset_optimizer_state`. Call it once for every unit of a restore, before any load."""
+        self.layout.reset_optimizer_state(units, specs)
+
+    def stored_specs(self, sources: Mapping[Unit, CheckpointRecord]) -> dict[str, TensorSpec]:
+        """Key -> (shape, dtype) of every tensor of the held units in ``sources``, from each checkpoint's DCP
+        metadata (an expert's slice of a stacked tensor as the slice)."""
+        specs: dict[str, TensorSpec] = {}
+        for record in set(sources.values()):
+            held = {u.key for u in self.layout.units if sources.get(u) is record}
+            for key, spec in self._stored_tensors(record).items():
+                if parse_unit(key).key in held:
+                    specs[key] = spec
+        return specs
+
+    def _stored_tensors(self, record: CheckpointRecord) -> dict[str, TensorSpec]:
+        """Shapes and dtypes of the tensors checkpoint ``record`` holds, from its DCP metadata."""
+        try:
+            metadata = self.storage.reader(record.name).read_metadata()
+        except CorruptCheckpointError as err:  # the same file on every rank: every rank decides alike
+            raise UnreadableCheckpoint(record.name, str(err)) from err
+        return {
+            key: (tuple(meta.size), meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
 
     def load_from_storage(self, sources: Mapping[Unit, CheckpointRecord]) -> None:
         """Load every held unit in ``sources`` from its checkpoint, one collective DCP load per checkpoint.
 
         ``sources`` must be the same on every rank (it comes from the shared manifest): each rank loads the
-        units it holds, under whatever world size and EP degree wrote them.
+        units it holds, under whatever world size and EP degree wrote them. Optimizer state is loaded where
+        the checkpoint has it (a parameter saved without state has none to load); a weight or buffer it
+        lacks is damage.
         """
         for record in sorted(set(sources.values()), key=lambda r: r.step):
             wanted = [u for u in self.layout.units if sources.get(u) is record]
+            stored = self._stored_tensors(record)
+            tensors = {k: t for k, t in self.layout.tensors(wanted).items() if k in stored or "/optim/" not in k}
             try:
                 dcp.load(
-                    self.layout.tensors(wanted),
+                    tensors,
                     storage_reader=self.storage.reader(record.name),
                     planner=ListedKeysPlanner(record.name),  # a listed unit it lacks is damage, not a bug
                     process_group=self.process_group,
@@ -635,6 +674,25 @@ class PECCheckpointer:
                 if corrupt is None:
                     raise
                 raise UnreadableCheckpoint(record.name, str(corrupt)) from err
+
+    def read_rank_state(self, record: CheckpointRecord) -> Any:
+        """This rank's own trainer state stored with checkpoint ``record`` (collective over the persist
+        group); ``None`` when it holds none for this rank."""
+        name = record.name
+        key = RANK_STATE.format(rank=self.topology.rank)
+        try:
+            metadata = self.storage.reader(name).read_metadata()
+        except CorruptCheckpointError as err:
+            raise UnreadableCheckpoint(name, str(err)) from err
+        wanted: dict[str, Any] = {key: None} if key in metadata.state_dict_metadata else {}
+        try:
+            dcp.load(wanted, storage_reader=self.storage.reader(name), process_group=self.process_group)
+        except CheckpointException as err:
+            corrupt = corrupt_from(err)
+            if corrupt is None:
+                raise
+            raise UnreadableCheckpoint(name, str(corrupt)) from err
+        return wanted.get(key)
 
     def account_recovery(self, resume_step: int, restored_from: list[list[int]]) -> LoadReport:
         """PLT of the recovery (eq. 7) from the ledger, then Dynamic-K."""

@@ -32,10 +32,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemWriter, StorageReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from moc_lightning.checkpointer import MANIFEST, UnreadableCheckpoint, read_description, read_manifest
-from moc_lightning.layout import param_key
+from moc_lightning.layout import buffer_key, param_key
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, make_storage
 from moc_lightning.storage.location import local_path
@@ -138,7 +139,7 @@ def read_units(reader: StorageReader, units: frozenset[str]) -> dict[str, torch.
     tensors = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items()
-        if parse_unit(key).key in units
+        if isinstance(meta, TensorStorageMetadata) and parse_unit(key).key in units  # not the ranks' own states
     }
     absent = units - {parse_unit(key).key for key in tensors}
     if absent:
@@ -152,9 +153,9 @@ class Piece:
     """One stored tensor and its place in the dense model."""
 
     param: str
-    """Model parameter name."""
+    """Model parameter (or persistent buffer) name."""
     state: str | None
-    """Optimizer state name (``exp_avg``); ``None`` for the weight itself."""
+    """Optimizer state name (``exp_avg``); ``None`` for the weight (or buffer) itself."""
     unit: Unit
     index: int | None
     """Slice of a stacked ``[E, ...]`` parameter (``None``: the unit owns the parameter whole)."""
@@ -168,10 +169,11 @@ def place(tensors: Mapping[str, torch.Tensor], params: Mapping[str, Any], record
     for key, tensor in tensors.items():
         unit = parse_unit(key)
         kind, rest = key[len(unit.key) + 1 :].split("/", 1)
-        local_name, state = (rest, None) if kind == "param" else rest.rsplit("/", 1)
-        source = params.get(param_key(unit, local_name))
+        local_name, state = (rest, None) if kind in ("param", "buffer") else rest.rsplit("/", 1)
+        named = buffer_key(unit, local_name) if kind == "buffer" else param_key(unit, local_name)
+        source = params.get(named)
         if source is None:
-            raise ConsolidateError(f"{record.name}/moc.json names no parameter for {param_key(unit, local_name)!r}")
+            raise ConsolidateError(f"{record.name}/moc.json names no parameter for {named!r}")
         pieces.append(Piece(source["param"], state, unit, source["index"], record.step, tensor))
     return pieces
 
@@ -197,6 +199,7 @@ class DenseCheckpoint:
     """The consolidated state under the model's parameter names."""
 
     weights: dict[str, torch.Tensor]
+    """The model's ``state_dict``: parameters and persistent buffers, under their module names."""
     optimizer: dict[str, dict[str, torch.Tensor]]
     provenance: dict[str, Any]
 

@@ -2,7 +2,12 @@
 
 Every named parameter belongs to exactly one unit, and so does its per-parameter optimizer state (Adam's
 ``exp_avg``/``exp_avg_sq``/``step``, SGD's ``momentum_buffer``, ...): PEC on weights alone would save the
-wrong 14% of a checkpoint, since expert optimizer state is its bulk.
+wrong 14% of a checkpoint, since expert optimizer state is its bulk. So does every persistent buffer (those
+in ``state_dict()``: norm statistics, a router's load-balancing bias): a buffer inside an expert belongs to
+that expert; a stacked buffer with leading dim E held by the MoE layer itself or its ``experts`` module
+(torchtitan's ``expert_bias``) is sliced like a stacked parameter; any other buffer belongs to a dense unit
+by the same rule as a parameter. Under expert parallelism a layer buffer whose leading dim is not the number
+of local experts (a router bias over all N experts, replicated on every rank) is dense.
 
 Experts are found by regular expressions over parameter names. A pattern is matched at the start of the
 name (``re.match``) and has a named group ``layer`` (the MoE layer's module prefix) and, for one module per
@@ -17,14 +22,16 @@ Non-expert parameters form dense units at layer granularity: the module one leve
 FFN, norms), and otherwise the parameter's own module (embeddings, final norm, head).
 
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
-create it lazily at their first step.
+create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has
+received no token yet); a restore recreates exactly the state its source holds, from the stored shapes and
+dtypes (:meth:`Layout.reset_optimizer_state`), and never steps the optimizer to make some.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -55,16 +62,22 @@ ExpertOffset = int | Callable[[str], int]
 """Global id of local expert 0: one int for every MoE layer, or a function of the MoE layer's prefix."""
 
 
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+"""Shape and dtype of a stored tensor: what a restore needs to create the tensor that receives it."""
+
+
 @dataclass(frozen=True)
 class ParamSlot:
-    """One parameter, or one expert's slice of a stacked parameter, as owned by a unit."""
+    """One parameter or persistent buffer, or one expert's slice of a stacked one, as owned by a unit."""
 
     param: str
-    """Fully qualified parameter name."""
+    """Fully qualified parameter (or buffer) name."""
     local_name: str
     """Name inside the unit (``fc.weight`` for an expert): the same for every expert, EP degree and rank."""
     index: int | None = None
     """Position along dim 0 of a stacked ``[E, ...]`` parameter; ``None`` when the unit owns it whole."""
+    buffer: bool = False
+    """A persistent buffer: saved and restored with the unit, no optimizer state."""
 
     @property
     def is_view(self) -> bool:
@@ -91,15 +104,27 @@ class UnitBytes:
     weights: int
     optimizer: int
     weight_numel: int
+    buffers: int = 0
+    """Persistent buffers (norm statistics, a load-balancing bias): saved with the unit like its weights."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.optimizer
+        return self.weights + self.optimizer + self.buffers
 
 
 def param_key(unit: Unit, local_name: str) -> str:
     """State-dict key of a unit's weight."""
     return f"{unit.key}/param/{local_name}"
+
+
+def buffer_key(unit: Unit, local_name: str) -> str:
+    """State-dict key of a unit's persistent buffer."""
+    return f"{unit.key}/buffer/{local_name}"
+
+
+def slot_key(unit: Unit, slot: ParamSlot) -> str:
+    """The key of a slot's own tensor (weight or buffer)."""
+    return buffer_key(unit, slot.local_name) if slot.buffer else param_key(unit, slot.local_name)
 
 
 def state_key(unit: Unit, local_name: str, state_name: str) -> str:
@@ -120,6 +145,8 @@ class Layout:
     moe_layers: tuple[MoeLayer, ...]
     params: Mapping[str, nn.Parameter]
     optimizer: torch.optim.Optimizer | None
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Persistent buffers by name."""
 
     @cached_property
     def units(self) -> tuple[Unit, ...]:
@@ -139,36 +166,40 @@ class Layout:
         return tuple(layer.num_experts for layer in self.moe_layers)
 
     def param_names(self, unit: Unit) -> tuple[str, ...]:
-        return tuple(slot.param for slot in self.slots[unit])
+        return tuple(slot.param for slot in self.slots[unit] if not slot.buffer)
 
     def tensors(self, units: Iterable[Unit] | None = None) -> dict[str, torch.Tensor]:
         """Weights and optimizer state of ``units`` (all units by default) as detached in-place views."""
         chosen = self.units if units is None else units
         return {key: tensor for unit in chosen for key, tensor, _ in self._entries(unit)}
 
-    def weights(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
-        """The model tensors of ``units`` (no optimizer state), as in :meth:`tensors`."""
-        return {key: tensor for unit in units for key, tensor, is_weight in self._entries(unit) if is_weight}
+    def model_tensors(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
+        """The model's own tensors of ``units``: weights and buffers, no optimizer state (as in :meth:`tensors`)."""
+        return {key: tensor for unit in units for key, tensor, kind in self._entries(unit) if kind != "optimizer"}
 
     def unit_bytes(self, unit: Unit) -> UnitBytes:
         """Bytes the unit would write now; optimizer bytes are 0 until the optimizer has created its state."""
-        weights = optimizer = numel = 0
-        for _, tensor, is_weight in self._entries(unit):
-            size = tensor.numel() * tensor.element_size()
-            if is_weight:
-                weights += size
-                numel += tensor.numel()
-            else:
-                optimizer += size
-        return UnitBytes(weights=weights, optimizer=optimizer, weight_numel=numel)
+        sizes = {"weight": 0, "optimizer": 0, "buffer": 0}
+        numel = 0
+        for _, tensor, kind in self._entries(unit):
+            sizes[kind] += tensor.numel() * tensor.element_size()
+            numel += tensor.numel() if kind == "weight" else 0
+        return UnitBytes(
+            weights=sizes["weight"], optimizer=sizes["optimizer"], weight_numel=numel, buffers=sizes["buffer"]
+        )
 
-    def _entries(self, unit: Unit) -> Iterator[tuple[str, torch.Tensor, bool]]:
-        """``(key, tensor, is_weight)`` for each weight of ``unit`` followed by its optimizer state."""
+    def _entries(self, unit: Unit) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """``(key, tensor, kind)`` for each weight (then its optimizer state) and buffer of ``unit``; ``kind``
+        is ``weight``, ``optimizer`` or ``buffer``."""
         for slot in self.slots[unit]:
+            if slot.buffer:
+                buffer = self.buffers[slot.param]
+                yield buffer_key(unit, slot.local_name), _take(buffer, slot.index, buffer.shape), "buffer"
+                continue
             param = self.params[slot.param]
-            yield param_key(unit, slot.local_name), _take(param.detach(), slot.index, param.shape), True
+            yield param_key(unit, slot.local_name), _take(param.detach(), slot.index, param.shape), "weight"
             for state_name, value in self._state(slot.param).items():
-                yield state_key(unit, slot.local_name, state_name), _take(value, slot.index, param.shape), False
+                yield state_key(unit, slot.local_name, state_name), _take(value, slot.index, param.shape), "optimizer"
 
     def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded tensors into the live parameters and optimizer state, in place.
@@ -181,7 +212,7 @@ class Layout:
         if missing:
             raise KeyError(
                 f"no live tensor for keys {missing[:5]}{' ...' if len(missing) > 5 else ''}; optimizer state "
-                "exists only after the first step (call materialize_optimizer_state before loading)"
+                "exists only after the first step (call reset_optimizer_state before loading)"
             )
         wrong = [(k, list(t.shape), list(targets[k].shape)) for k, t in loaded.items() if t.shape != targets[k].shape]
         if wrong:
@@ -189,6 +220,46 @@ class Layout:
         with torch.no_grad():
             for key, tensor in loaded.items():
                 targets[key].copy_(tensor)
+
+    def reset_optimizer_state(self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]) -> None:
+        """Give the parameters of ``units`` exactly the optimizer state ``specs`` lists, as new zero tensors
+        of the stored shapes and dtypes, ready to be loaded into in place.
+
+        ``specs`` holds the optimizer-state keys a restore's sources hold (slot entries, DCP metadata); a
+        parameter with none has no state afterwards, as it had none when it was saved (frozen, or an expert
+        without tokens). Nothing is stepped: a zero-gradient step would decay state already loaded, and
+        costs a full optimizer step. A stacked parameter's state is created whole (``[E, ...]``) from its
+        experts' slices; a state that was not sliced (Adam's scalar ``step``) is shared by its experts.
+        """
+        if self.optimizer is None:
+            return
+        chosen = [u for u in units if u in self.slots]
+        wanted: dict[str, dict[str, tuple[ParamSlot, TensorSpec]]] = {}
+        for unit in chosen:
+            for slot in self.slots[unit]:
+                if slot.buffer:
+                    continue
+                states = wanted.setdefault(slot.param, {})
+                prefix = state_key(unit, slot.local_name, "")
+                for key, spec in specs.items():
+                    if key.startswith(prefix):
+                        states[key[len(prefix) :]] = (slot, spec)
+        scalars = _scalar_state_names(self.params, wanted)
+        groups = {p: group for group in self.optimizer.param_groups for p in group["params"]}
+        for name, states in wanted.items():
+            param = self.params[name]
+            if not states:
+                self.optimizer.state.pop(param, None)
+                continue
+            fresh = {}
+            for state_name, (slot, (shape, dtype)) in states.items():
+                scalar = len(shape) == 0 and state_name in scalars
+                if slot.index is not None and len(shape) == param.dim() - 1 and not scalar:
+                    shape = (param.shape[0], *shape)  # an expert's slice of a stacked state
+                group = groups.get(param, {})
+                on_param = not scalar or group.get("capturable") or group.get("fused")
+                fresh[state_name] = torch.zeros(shape, dtype=dtype, device=param.device if on_param else "cpu")
+            self.optimizer.state[param] = fresh
 
     def _state(self, param_name: str) -> dict[str, torch.Tensor]:
         if self.optimizer is None:
@@ -210,32 +281,27 @@ def _unit_of(key: str, slots: Mapping[Unit, tuple[ParamSlot, ...]]) -> Unit:
     return unit
 
 
+def _scalar_state_names(
+    params: Mapping[str, nn.Parameter], wanted: Mapping[str, Mapping[str, tuple[ParamSlot, TensorSpec]]]
+) -> set[str]:
+    """Names of per-parameter *scalar* optimizer states (Adam's ``step``): 0-dim for a parameter that is not.
+
+    Told apart from an expert's 0-dim slice of a stacked 1-D parameter's state by the other parameters; they
+    live on the host unless the optimizer is capturable or fused, as torch's optimizers create them.
+    """
+    names = set()
+    for name, states in wanted.items():
+        for state_name, (slot, (shape, _)) in states.items():
+            if len(shape) == 0 and params[name].dim() - (slot.index is not None) > 0:
+                names.add(state_name)
+    return names
+
+
 def _take(tensor: torch.Tensor, index: int | None, param_shape: torch.Size) -> torch.Tensor:
     """The expert's slice of a stacked tensor; state that is not ``[E, ...]`` (a scalar step) is shared."""
     if index is None or tensor.dim() == 0 or tensor.shape[0] != param_shape[0]:
         return tensor
     return tensor[index]
-
-
-def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazy per-parameter state without changing any parameter.
-
-    A restarted run must load into existing state tensors; optimizers create them at the first step.
-    One step with zero gradients and learning rate 0 creates them (weight decay scales by ``1 - lr*wd``).
-    """
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
-    try:
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0
-            for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
-        for p, grad in grads.items():
-            p.grad = grad
 
 
 @dataclass(frozen=True)
@@ -338,14 +404,55 @@ def build_layout(
             unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
             slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index))
 
-    _check_unique_keys(slots)
     moe_layers = tuple(_moe_layer(i, prefix, slots, num_experts) for i, prefix in enumerate(prefixes))
+    buffers = _persistent_buffers(model)
+    for name, buffer in buffers.items():
+        for unit, slot in _buffer_slots(name, buffer, patterns, moe_layers, expert_offset):
+            slots.setdefault(unit, []).append(slot)
+    _check_unique_keys(slots)
     return Layout(
         slots={unit: tuple(s) for unit, s in slots.items()},
         moe_layers=moe_layers,
         params=params,
         optimizer=optimizer,
+        buffers=buffers,
     )
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that ``model.state_dict()`` holds (not the non-persistent ones), by fully qualified name."""
+    return {
+        f"{prefix}.{name}" if prefix else name: buffer
+        for prefix, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    }
+
+
+def _buffer_slots(
+    name: str,
+    buffer: torch.Tensor,
+    patterns: Sequence[re.Pattern[str]],
+    moe_layers: Sequence[MoeLayer],
+    expert_offset: ExpertOffset,
+) -> list[tuple[Unit, ParamSlot]]:
+    """The unit (or, for a stacked buffer, the experts) owning buffer ``name`` (see the module docstring)."""
+    m = _match(name, patterns)
+    layer = next((layer for layer in moe_layers if m is not None and layer.prefix == m.layer_prefix), None)
+    if m is not None and layer is not None and m.local_index is not None:
+        unit: Unit = ExpertUnit(layer.index, _offset(expert_offset, layer.prefix) + m.local_index)
+        return [(unit, ParamSlot(name, m.local_name, buffer=True))]
+    if layer is None:  # held by the MoE layer module itself?
+        layer = next((layer for layer in moe_layers if name.rpartition(".")[0] == layer.prefix), None)
+    if layer is not None and buffer.dim() > 0 and buffer.shape[0] == len(layer.local_experts):
+        local_name = name.rpartition(".")[2]
+        offset = _offset(expert_offset, layer.prefix)
+        return [
+            (ExpertUnit(layer.index, offset + i), ParamSlot(name, local_name, index=i, buffer=True))
+            for i in range(buffer.shape[0])
+        ]
+    unit = DenseUnit(_dense_name(name, [layer.prefix for layer in moe_layers]))
+    return [(unit, ParamSlot(name, name[len(unit.name) :].lstrip(".") or name, buffer=True))]
 
 
 def _placements(name: str, param: nn.Parameter, m: _Match) -> list[tuple[int, int | None]]:
@@ -380,13 +487,14 @@ def _moe_layer(index: int, prefix: str, slots: Mapping[Unit, list[ParamSlot]], n
 
 
 def _check_unique_keys(slots: Mapping[Unit, list[ParamSlot]]) -> None:
-    """Two parameters must not land on the same key (e.g. an expert offset that folds ids together)."""
+    """Two tensors must not land on the same key (e.g. an expert offset that folds ids together)."""
     for unit, unit_slots in slots.items():
         seen: dict[str, str] = {}
         for slot in unit_slots:
-            if slot.local_name in seen:
+            key = slot_key(unit, slot)
+            if key in seen:
                 raise ValueError(
-                    f"parameters {seen[slot.local_name]!r} and {slot.param!r} both map to "
-                    f"{param_key(unit, slot.local_name)!r}; check expert_offset and the expert patterns"
+                    f"parameters {seen[key]!r} and {slot.param!r} both map to "
+                    f"{key!r}; check expert_offset and the expert patterns"
                 )
-            seen[slot.local_name] = slot.param
+            seen[key] = slot.param

@@ -116,17 +116,18 @@ class Lineage:
 def fingerprint(layout: Layout) -> str:
     """A digest of what checkpoints of this model hold, the same on every rank and under any EP degree.
 
-    Dense units contribute every tensor's key, shape and dtype; each MoE layer its number of experts and
-    the key, shape and dtype of one expert's tensors (experts of a layer share them), so ranks that hold
+    Dense units contribute every weight's and buffer's key, shape and dtype; each MoE layer its number of
+    experts and the key, shape and dtype of one expert's tensors (experts of a layer share them), so ranks that hold
     different experts agree. Optimizer state is left out: it exists only after the first step.
     """
     lines = []
     for unit in layout.dense_units:
-        lines += [_describe(unit.key, key, tensor) for key, tensor in layout.weights([unit]).items()]
+        lines += [_describe(unit.key, key, tensor) for key, tensor in layout.model_tensors([unit]).items()]
     for layer in layout.moe_layers:
         twin = ExpertUnit(layer.index, layer.local_experts[0])
         lines.append(f"moe L{layer.index} N={layer.num_experts}")
-        lines += [_describe(f"L{layer.index}", key.split("/", 3)[-1], t) for key, t in layout.weights([twin]).items()]
+        twins = layout.model_tensors([twin]).items()
+        lines += [_describe(f"L{layer.index}", key.split("/", 3)[-1], t) for key, t in twins]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 

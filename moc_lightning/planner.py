@@ -55,8 +55,9 @@ class MoCSavePlanner(DefaultSavePlanner):
     """Writes exactly the rows ``writes`` assigns to this rank.
 
     ``writes`` maps a tensor's key to the rows this rank writes; a key absent from it is written by
-    another rank. A 0-dim tensor is written whole by the rank whose range for it is ``(0, 1)``. Non-tensor
-    values are written by the coordinator. ``writes=None`` keeps DCP's own behaviour (every rank proposes
+    another rank. A 0-dim tensor is written whole by the rank whose range for it is ``(0, 1)``. A non-tensor
+    value is written by this rank if ``writes`` lists it (a rank's own state, under a key only it uses), else
+    by the coordinator. ``writes=None`` keeps DCP's own behaviour (every rank proposes
     its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
     """
 
@@ -70,7 +71,7 @@ class MoCSavePlanner(DefaultSavePlanner):
         items = []
         for key, value in self.state_dict.items():
             if not isinstance(value, torch.Tensor):
-                if self.is_coordinator:
+                if key in self.writes or self.is_coordinator:
                     items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
                 continue
             rows = self.writes.get(key)

@@ -3,7 +3,9 @@
 ``P_ne`` and ``P_e`` count parameters of the whole model: under expert parallelism a rank sees only its
 local experts, so each MoE layer's expert parameters are its per-expert count (from the local experts)
 times N. ``B_w`` and ``B_o`` are bytes per parameter read from the live tensors (weights, and optimizer
-state once the optimizer has created it), not assumed from a dtype.
+state once the optimizer has created it), not assumed from a dtype. Persistent buffers (norm statistics, a
+per-expert load-balancing bias) are saved with their units too; the paper's equations have no term for
+them, so they are added as bytes, dense ones whole and expert ones in proportion ``K/N`` like expert weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class SizeModel:
     """Weight bytes per parameter."""
     b_o: float
     """Optimizer-state bytes per parameter."""
+    buffers_ne: int = 0
+    """Bytes of the non-expert units' persistent buffers."""
+    buffers_e_per_layer: tuple[int, ...] = ()
+    """Bytes of the persistent buffers of each MoE layer's experts, all N experts."""
 
     @property
     def p_e(self) -> int:
@@ -37,12 +43,13 @@ class SizeModel:
 
     def c_full(self) -> float:
         """Eq. 5: bytes of a checkpoint of every parameter."""
-        return (self.p_ne + self.p_e) * (self.b_w + self.b_o)
+        return (self.p_ne + self.p_e) * (self.b_w + self.b_o) + self.buffers_ne + sum(self.buffers_e_per_layer)
 
     def c_pec(self, k: int) -> float:
         """Eq. 6: bytes of a checkpoint of all non-expert parameters and ``k`` experts per MoE layer."""
         saved_experts = sum(min(k, n) / n * p for n, p in zip(self.num_experts, self.p_e_per_layer))
-        return (self.p_ne + saved_experts) * (self.b_w + self.b_o)
+        saved_buffers = sum(min(k, n) / n * b for n, b in zip(self.num_experts, self.buffers_e_per_layer))
+        return (self.p_ne + saved_experts) * (self.b_w + self.b_o) + self.buffers_ne + saved_buffers
 
 
 def size_model(layout: Layout) -> SizeModel:
@@ -55,7 +62,14 @@ def size_model(layout: Layout) -> SizeModel:
         for layer in layout.moe_layers
     )
     numel = sum(b.weight_numel for b in sizes.values())
+    expert_buffers = tuple(
+        _per_expert_buffers([b for u, b in sizes.items() if isinstance(u, ExpertUnit) and u.layer == layer.index])
+        * layer.num_experts
+        for layer in layout.moe_layers
+    )
     return SizeModel(
+        buffers_ne=sum(b.buffers for u, b in sizes.items() if not isinstance(u, ExpertUnit)),
+        buffers_e_per_layer=expert_buffers,
         p_ne=p_ne,
         p_e_per_layer=p_e_per_layer,
         num_experts=layout.num_experts,
@@ -71,6 +85,11 @@ def _per_expert(local: list[UnitBytes], prefix: str) -> int:
             f"experts of MoE layer {prefix!r} differ in parameter count {sorted(counts)}; eq. 5/6 assume equal experts"
         )
     return counts.pop()
+
+
+def _per_expert_buffers(local: list[UnitBytes]) -> int:
+    """Buffer bytes of one expert (experts of a layer hold the same buffers)."""
+    return max((b.buffers for b in local), default=0)
 
 
 def expected_bytes(layout: Layout, units: Iterable[Unit]) -> int:

@@ -42,6 +42,10 @@ class SlotEntry:
     shape: tuple[int, ...]
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
     def nbytes(self) -> int:
         numel = 1
         for size in self.shape:

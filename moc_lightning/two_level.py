@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import shutil
 import socket
 import time
@@ -47,6 +48,7 @@ from moc_lightning.lineage import Lineage
 from moc_lightning.manifest import Manifest
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
+from moc_lightning.layout import TensorSpec
 from moc_lightning.snapshot import NUM_SLOTS, SlotEntry, SlotMeta, SnapshotStore
 from moc_lightning.storage import find_cause
 from moc_lightning.units import ExpertUnit, Unit, parse_unit
@@ -100,7 +102,10 @@ class RecoveryReport:
     recover_seconds: float
     k_changed: bool
     trainer_state: dict[str, Any] | None
-    """The Lightning state (loops, schedulers, ...) captured with the resume step's snapshot or persist."""
+    """The Lightning state (loops, schedulers, RNG, data position, ...) captured with the resume step's
+    snapshot or persist, this rank's own unless :attr:`trainer_state_rank` says otherwise."""
+    trainer_state_rank: int | None = None
+    """Whose trainer state that is: this rank, or the rank whose state stands in for a lost one."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -370,24 +375,28 @@ class TwoLevelCheckpointer:
         return report
 
     # --------------------------------------------------------------- recovery
-    def recover(self, manifest: Manifest) -> RecoveryReport | None:
+    def recover(self, manifest: Manifest | None = None) -> RecoveryReport | None:
         """Restore the newest consistent state of ``manifest``'s lineage from memory and storage (collective).
 
-        ``manifest`` must be the same on every rank (:func:`moc_lightning.start.agreed_manifest`) and carry
-        the run's lineage; only slots of that lineage's current timeline are considered. A stored checkpoint
-        that fails verification is dropped from the manifest, everything the failed attempt loaded is rolled
-        back, and the recovery is planned again without it (every rank sees the same failure, so every rank
-        takes the same path). Returns ``None`` when no consistent state survives: the model is then as it was
-        before the call and every slot is discarded. Either way the lineage gains a segment (its timeline
-        forks here), committed in the manifest before training goes on.
+        ``manifest`` must be the same on every rank (by default the coordinator's reading, shared). Only slots
+        of its lineage's current timeline are considered; an engine used on its own, whose storage names no
+        lineage, considers only slots that name none either. A stored checkpoint that fails verification is
+        dropped from the manifest, everything the failed attempt loaded is rolled back, and the recovery is
+        planned again without it (every rank sees the same failure, so every rank takes the same path).
+        Returns ``None`` when no consistent state survives: the model is then as it was before the call and
+        every slot is discarded. With a lineage, the lineage gains a segment (its timeline forks here),
+        committed in the manifest before training goes on.
         """
         start = time.perf_counter()
+        if manifest is None:
+            manifest = from_coordinator(self.pec.read_manifest)
         lineage = manifest.lineage
-        if lineage is None:
+        if lineage is None and self.lineage is not None:
             raise ValueError(f"the manifest under {self.pec.storage.url} names no lineage; it cannot be resumed")
         metas = []
         for meta in self.store.committed():
-            if lineage.admits(meta.extra.get("lineage"), meta.step):
+            stamp = meta.extra.get("lineage")
+            if (stamp is None) if lineage is None else lineage.admits(stamp, meta.step):
                 metas.append(meta)
             else:  # another run's, another model's, or a timeline this lineage has left
                 self.store.invalidate(meta.slot)
@@ -402,24 +411,25 @@ class TwoLevelCheckpointer:
                 manifest = self.pec.forget(manifest, bad)
         if report is None:
             self.store.clear()
-        resumed = lineage.resumed_at(report.resume_step if report is not None else 0)
-        self.pec.commit_lineage(manifest.with_lineage(resumed))
+        if lineage is not None:
+            resumed = lineage.resumed_at(report.resume_step if report is not None else 0)
+            self.pec.commit_lineage(manifest.with_lineage(resumed))
+            self.lineage = resumed
         self.pec.stored_base = stored_steps(manifest)
-        self.lineage = resumed
         return report
 
     def _rollback_point(self) -> dict[str, torch.Tensor]:
         """Copies of the model's tensors as they are before recovery loads anything into them.
 
-        The optimizer has no state yet (recovery creates it), so the weights are all there is to keep.
+        The optimizer has no state yet (recovery creates it), so weights and buffers are all there is to keep.
         """
-        return {k: t.clone() for k, t in self.pec.layout.weights(self.pec.layout.units).items()}
+        return {k: t.clone() for k, t in self.pec.layout.model_tensors(self.pec.layout.units).items()}
 
     def _roll_back(self, baseline: Mapping[str, torch.Tensor]) -> None:
         """Undo a failed recovery attempt: no byte it loaded may survive into the next plan."""
         layout = self.pec.layout
         with torch.no_grad():
-            for key, tensor in layout.weights(layout.units).items():
+            for key, tensor in layout.model_tensors(layout.units).items():
                 tensor.copy_(baseline[key])
         if layout.optimizer is not None:
             layout.optimizer.state.clear()
@@ -433,17 +443,18 @@ class TwoLevelCheckpointer:
         if plan is None:
             return None
         by_slot = {m.slot: m for m in metas}
-        engine_state, trainer_state = self._states_at(plan, by_slot, manifest)
+        engine_state, trainer_state, trainer_state_rank = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
-        pec.prepare_for_load()
-        self._restore_from_memory(plan, by_slot)
-        pec.load_from_storage(
-            {
-                parse_unit(key): manifest.by_name(src.checkpoint)
-                for key, src in plan.sources.items()
-                if src.level == "storage"
-            }
-        )
+        stored = {
+            parse_unit(key): manifest.by_name(src.checkpoint)
+            for key, src in plan.sources.items()
+            if src.level == "storage"
+        }
+        in_memory = self._memory_specs(plan, by_slot)
+        restored = [parse_unit(key) for key, src in plan.sources.items() if src.level != "none"]
+        pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
+        self._restore_from_memory(plan, by_slot, in_memory)
+        pec.load_from_storage(stored)
         restored_from = [
             [plan.sources[ExpertUnit(layer, e).key].step for e in range(n)]
             for layer, n in enumerate(pec.layout.num_experts)
@@ -459,35 +470,76 @@ class TwoLevelCheckpointer:
             recover_seconds=time.perf_counter() - start,
             k_changed=load.k_changed,
             trainer_state=trainer_state,
+            trainer_state_rank=trainer_state_rank,
         )
 
     def _states_at(
         self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta], manifest: Manifest
-    ) -> tuple[dict, dict | None]:
-        """Engine and trainer state of the resume step: from a slot at that step, else from storage."""
+    ) -> tuple[dict, dict | None, int | None]:
+        """Engine state of the resume step (one for all ranks), and this rank's own trainer state of it.
+
+        The trainer state is per rank (RNG streams, the data position): from this rank's slot of the resume
+        step, else from its item in the persist of that step. A rank with neither (its node was lost and the
+        step was not persisted) takes the lowest rank's and says so; returns whose state it got.
+        """
         local = next((m for m in by_slot.values() if m.step == plan.resume_step), None)
         holder = _lowest_rank_with(local is not None)
         if holder is None:
             described = self.pec.read_description(manifest.at_step(plan.resume_step))
-            return described["engine"], _decode_optional(described.get("trainer"))
-        payload = [local.extra if local is not None else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(payload, src=holder)
-        extra = payload[0]
-        return extra["engine"], _decode_optional(extra["trainer"])
+            engine, shared = described["engine"], described.get("trainer")
+        else:
+            payload = [local.extra if local is not None else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(payload, src=holder)
+            engine, shared = payload[0]["engine"], payload[0]["trainer"]
+        own = local.extra["trainer"] if local is not None else None
+        persisted = next((r for r in manifest.records if r.step == plan.resume_step), None)
+        if persisted is not None and _any_rank(own is None):
+            from_storage = self.pec.read_rank_state(persisted)  # collective
+            own = own if own is not None else from_storage
+        if own is not None:
+            return engine, _decode_optional(own), self.rank
+        stand_in = holder if holder is not None else 0
+        print(f"[moc_lightning] rank {self.rank}: its own training state of step {plan.resume_step} is lost (its "
+              f"node's snapshot is gone and the step was not persisted for it); using rank {stand_in}'s loops, "
+              "data position and callback state, with RNG streams derived from this rank and the step")
+        return engine, _decode_optional(shared), stand_in
 
-    def _restore_from_memory(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> None:
-        """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in."""
+    def _memory_specs(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> dict[str, TensorSpec]:
+        """Key -> (shape, dtype) of every tensor of every memory-sourced unit, in its slot's order, as the slot
+        owners describe them (collective: one exchange). A restore creates optimizer state from these, and
+        sizes the broadcasts by them: a unit's peer copy may hold state that this rank's twin lacks."""
+        mine: dict[str, SlotEntry] = {}
+        for key, source in plan.sources.items():
+            if source.level == "memory" and source.rank == self.rank:
+                meta = by_slot[source.slot]
+                mine.update({k: e for k, e in meta.entries.items() if parse_unit(k).key == key})
+        parts = [mine]
+        if dist.is_initialized():
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        return {k: (tuple(e.shape), e.torch_dtype) for part in parts for k, e in part.items()}
+
+    def _restore_from_memory(
+        self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta], specs: Mapping[str, TensorSpec]
+    ) -> None:
+        """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in.
+
+        ``specs`` (from :meth:`_memory_specs`) names each unit's tensors and their sizes on every rank alike.
+        """
         layout = self.pec.layout
+        by_unit: dict[str, list[str]] = {}
+        for key in specs:
+            by_unit.setdefault(parse_unit(key).key, []).append(key)
         for key in sorted(k for k, s in plan.sources.items() if s.level == "memory"):
             source: Source = plan.sources[key]
             unit = parse_unit(key)
-            template = layout.tensors([self.pec.local_twin(unit)])
-            sizes = [t.numel() * t.element_size() for t in template.values()]
+            keys = by_unit.get(key, [])
+            sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self.rank:
-                meta = by_slot[source.slot]
-                tensors = self.store.read(meta, [k for k in meta.entries if parse_unit(k).key == key])
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+                tensors = self.store.read(by_slot[source.slot], keys)
+                pieces = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
+                flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.uint8)
             if dist.is_initialized() and self.pec.topology.world_size > 1:
@@ -496,8 +548,10 @@ class TwoLevelCheckpointer:
                 flat = flat.cpu()
             if unit in layout.slots:
                 live = layout.tensors([unit])
-                for target, piece in zip(live.values(), flat.split(sizes)):
-                    target.copy_(piece.view(target.dtype).view(target.shape))
+                with torch.no_grad():
+                    for k, piece in zip(keys, flat.split(sizes)):
+                        shape, dtype = specs[k]
+                        live[k].copy_(piece.view(dtype).view(shape))
 
     def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:
         """Snapshots newer than the resume step belong to a timeline that no longer exists."""
@@ -523,6 +577,15 @@ def _lowest_rank_with(has: bool) -> int | None:
     mark = torch.tensor([dist.get_rank() if has else dist.get_world_size()], device=collective_device())
     dist.all_reduce(mark, op=dist.ReduceOp.MIN)
     return int(mark.item()) if int(mark.item()) < dist.get_world_size() else None
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (collective)."""
+    if not dist.is_initialized():
+        return flag
+    mark = torch.tensor([int(flag)], device=collective_device())
+    dist.all_reduce(mark, op=dist.ReduceOp.MAX)
+    return bool(mark.item())
 
 
 def _decode_optional(text: str | None) -> dict | None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moc_lightning.data import DataConfig, LMDataModule, TokenWindows, load_tokens
+from moc_lightning.data import DataConfig, LMDataModule, StatefulDataLoader, TokenWindows, load_tokens
 
 
 def test_stdlib_corpus_is_fixed_bytes() -> None:
@@ -52,3 +52,29 @@ def test_uint16_bin_file(tmp_path: Path) -> None:
 def test_too_short_data_is_refused() -> None:
     with pytest.raises(ValueError, match="too few for block_size=8"):
         TokenWindows(torch.arange(5), block_size=8)
+
+
+@pytest.mark.parametrize("cut", [0, 4, 13])  # epoch 2's start, its middle, and its end (13 batches an epoch)
+def test_stateful_loader_resumes_where_it_stopped_with_shuffling(cut: int) -> None:
+    windows = TokenWindows(torch.arange(200), block_size=3)  # 66 windows: 13 batches of 5, one left over
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(
+            windows, batch_size=5, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(7)
+        )
+
+    def ids(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
+        return (batch[0][:, 0] // 3).tolist()
+
+    straight = loader()
+    expected = [ids(b) for _ in range(3) for b in straight]
+    first = loader()
+    seen = [ids(b) for b in first]
+    epoch_two = iter(first)
+    seen += [ids(next(epoch_two)) for _ in range(cut)]
+    state = first.state_dict()
+    second = loader()
+    second.load_state_dict(state)
+    seen += [ids(b) for b in second] + [ids(b) for b in second]
+    assert seen[: len(expected)] == expected
+    assert len(second) == 13, "the length Lightning reads stays the epoch's"

@@ -5,7 +5,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from moc_lightning.layout import Layout, build_layout, materialize_optimizer_state
+from moc_lightning.layout import Layout, build_layout
 from moc_lightning.units import DenseUnit, ExpertUnit, dense, expert
 
 
@@ -296,16 +296,29 @@ def test_dcp_round_trip_loads_in_place_including_stacked_views(tmp_path: object)
     torch.testing.assert_close(layout.tensors([expert(0, 0)])["expert/L0/E0/param/w1"], other)
 
 
-def test_materialize_optimizer_state_creates_state_without_moving_weights() -> None:
-    model = model_from_names(reference_names(experts=(0, 1)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+def test_reset_optimizer_state_creates_exactly_the_stored_state_without_stepping() -> None:
+    """From stored keys, shapes and dtypes alone: stacked state whole, a shared scalar step on the host, a
+    parameter the source has no state for without state, weights and hyperparameters untouched."""
+    names = {"m.0.attn.w": (3, 2), "m.0.moe.experts.w1": (2, 4, 3), "m.0.moe.experts.b": (2,), "m.0.mlp.w": (2,)}
+    source_model = model_from_names(names)
+    source = stepped(source_model)
+    source.state.pop(dict(source_model.named_parameters())["m.0.mlp.w"])  # e.g. frozen: no state
+    specs = {k: (tuple(t.shape), t.dtype) for k, t in build_layout(source_model, source).tensors().items()}
+
+    model = model_from_names(names)
+    optimizer = stepped(model)  # holds state of other values, and for every parameter
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step = None  # type: ignore[method-assign]  # never called
     layout = build_layout(model, optimizer)
-    assert layout.unit_bytes(expert(0, 0)).optimizer == 0
-    materialize_optimizer_state(optimizer)
-    assert layout.unit_bytes(expert(0, 0)).optimizer > 0
-    assert optimizer.param_groups[0]["lr"] == 0.1
-    assert all(p.grad is None for p in model.parameters())
+    layout.reset_optimizer_state(layout.units, specs)
+    params = dict(model.named_parameters())
+    assert params["m.0.mlp.w"] not in optimizer.state
+    w1 = optimizer.state[params["m.0.moe.experts.w1"]]
+    assert w1["exp_avg"].shape == (2, 4, 3) and w1["step"].shape == () and w1["step"].device.type == "cpu"
+    assert optimizer.state[params["m.0.moe.experts.b"]]["exp_avg"].shape == (2,), "a stacked 1-D parameter"
+    assert optimizer.state[params["m.0.moe.experts.b"]]["step"].shape == (), "its step is shared, not sliced"
+    assert {k: (tuple(t.shape), t.dtype) for k, t in layout.tensors().items()} == specs
+    assert all(float(t.abs().sum()) == 0 for k, t in layout.tensors().items() if "/optim/" in k)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name])
 

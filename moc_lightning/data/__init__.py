@@ -3,7 +3,8 @@
 ``stdlib`` (the default) is a byte-level corpus the package ships: 30 modules of CPython 3.11.7's standard
 library (PSF License), gzip-compressed in ``stdlib_corpus.txt.gz``, so every machine trains on the same
 bytes. ``text`` reads a user's text files as bytes; ``bin`` memory-maps a pre-tokenized ``uint16`` file
-(nanoGPT's format). The split is fixed: the last ``val_fraction`` of the tokens is validation.
+(nanoGPT's format). The split is fixed: the last ``val_fraction`` of the tokens is validation. The training
+loader is a :class:`StatefulDataLoader` shuffled from ``seed``, so a resume continues the epoch exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from moc_lightning.data.stateful import StatefulDataLoader
+
+__all__ = ["DataConfig", "LMDataModule", "StatefulDataLoader", "TokenWindows", "load_tokens"]
 
 CORPUS = Path(__file__).with_name("stdlib_corpus.txt.gz")
 SOURCES = ("stdlib", "text", "bin")
@@ -35,6 +40,9 @@ class DataConfig:
     """Share of the tokens, taken from the end, held out for validation."""
     num_workers: int = 0
     """DataLoader worker processes."""
+    seed: int = 0
+    """Seed of the training order (one device; under DDP Lightning's ``DistributedSampler`` shuffles from the
+    global seed and the epoch)."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -100,9 +108,14 @@ class LMDataModule(L.LightningDataModule):
         self.train = TokenWindows(tokens[:split], self.block_size)
         self.val = TokenWindows(tokens[split:], self.block_size)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train, batch_size=self.cfg.batch_size, shuffle=True, drop_last=True, num_workers=self.cfg.num_workers
+    def train_dataloader(self) -> StatefulDataLoader:
+        return StatefulDataLoader(
+            self.train,
+            batch_size=self.cfg.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.cfg.num_workers,
+            generator=torch.Generator().manual_seed(self.cfg.seed),
         )
 
     def val_dataloader(self) -> DataLoader:
