@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.distributed import collective_device
+from moc_lightning.faults import fault_point
 from moc_lightning.layout import Layout, materialize_optimizer_state, param_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
@@ -255,6 +256,7 @@ class PECCheckpointer:
         current = self.read_manifest()
         manifest, removed = current.with_record(record).retire(self.cfg.retention)
         self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
+        fault_point("manifest_commit", record.step)
         self.storage.put(MANIFEST, manifest.to_json())
         return removed
 

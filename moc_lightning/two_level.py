@@ -216,6 +216,7 @@ class TwoLevelCheckpointer:
         """
         start = time.perf_counter()
         extra["trainer"] = encode_state(trainer_state)
+        self.faults.at("slot_commit", step)
         meta = self.store.finish(slot, step, units, entries, extra, stream)
         return meta, time.perf_counter() - start
 
@@ -366,6 +367,7 @@ class TwoLevelCheckpointer:
         pec.load_state_dict(engine_state)
         pec.prepare_for_load()
         self._restore_from_memory(plan, by_slot)
+        self.faults.at("recovery", plan.resume_step)
         pec.load_from_storage(
             {
                 parse_unit(key): manifest.by_name(src.checkpoint)
