@@ -240,8 +240,8 @@ def run_trial(
             plan = next((f.plan for f in faults if f.kind == "kill" and f.after == inc), None)
             outcome = run_incarnation(work, shm_root, cfg, inc, plan)
             result.outcomes.append(outcome)
-            if outcome["rc"] == 0:
-                break
+            if outcome["rc"] == 0 or outcome["hang"]:
+                break  # a hang is the finding; restarting into more hangs would only burn the trial's time
             for f in faults:
                 if f.after == inc and f.kind == "node_loss":
                     result.applied.append(lose_node(shm_root, f.node))
