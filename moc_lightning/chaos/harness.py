@@ -215,6 +215,8 @@ class TrialResult:
     applied: list[str] = field(default_factory=list)
     outcomes: list[dict[str, Any]] = field(default_factory=list)
     failures: dict[str, list[str]] = field(default_factory=dict)
+    starts: list[tuple[int, int]] = field(default_factory=list)
+    """``(incarnation, step it trained from)`` as rank 0 recorded them: where each recovery landed."""
     seconds: float = 0.0
 
     @property
@@ -248,6 +250,7 @@ def run_trial(
                 elif f.after == inc and f.kind == "damage":
                     result.applied.append(damage(work / "ckpt", f.target, f.op, rng))
         records = {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
+        result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == "start"]
         result.failures = run_checks(records, reference, result.outcomes, cfg.max_steps, WORLD)
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
@@ -279,6 +282,7 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
                 "seed": r.seed,
                 "faults": [f["label"] + (f" ({f['plan']})" if f["plan"] else "") for f in r.faults],
                 "applied": r.applied,
+                "starts": r.starts,
                 "incarnations": [{k: o[k] for k in ("inc", "rc", "seconds", "hang", "killed")} for o in r.outcomes],
                 "failed": {check: details[0] for check, details in r.failures.items() if details},
                 "details": {check: details for check, details in r.failures.items() if details},
