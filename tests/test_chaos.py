@@ -23,7 +23,7 @@ from moc_lightning.chaos.checks import (
     unit_of,
 )
 from moc_lightning.chaos.harness import TrialConfig, damage, draw_faults, reference_records, run_trial
-from moc_lightning.chaos.oracle import sample_ids, state_digests, tensor_digest
+from moc_lightning.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.layout import build_layout
 from moc_lightning.models import GPTMoEConfig
@@ -160,10 +160,10 @@ def test_restore_check_fails_missing_units_steps_and_reports() -> None:
 
 def test_restore_check_uses_the_newest_timeline_of_a_step() -> None:
     recs = _run(6, SOURCES)
-    recs += [{"inc": 1, "kind": "step", "step": s, "samples": [], "digests": {k: v + "'" for k, v in _digests(s).items()}}
-             for s in range(7, 10)]
+    later = {s: {k: v + "'" for k, v in _digests(s).items()} for s in range(7, 10)}  # another timeline
+    recs += [{"inc": 1, "kind": "step", "step": s, "samples": [], "digests": d} for s, d in later.items()]
     second = {u: 8 for u in SOURCES}
-    restored = {k: v + "'" for k, v in _digests(8).items()}
+    restored = later[8]
     report = {"resume_step": 8, "sources": {u: {"level": "storage", "step": s} for u, s in second.items()}}
     recs.append({"inc": 2, "kind": "start", "step": 8, "digests": restored, "report": report})
     assert check_restore({0: recs}) == []
@@ -254,11 +254,33 @@ SEEDED_TRIALS = [1, 2, 7]
 ``.metadata``; a kill inside a slot commit."""
 
 
+def _claim_a_wrong_step(records: dict[int, list[dict[str, Any]]]) -> str:
+    """Rewrite the first resume's report so that one unit claims another step it had different tensors at."""
+    recs = records[0]
+    start = next(r for r in recs if r["kind"] == "start" and r["step"] > 0)
+    prefixes = moe_prefixes(start["digests"])
+    steps = {r["step"]: r["digests"] for r in recs if r["kind"] == "step" and r["inc"] < start["inc"]}
+    for unit, source in start["report"]["sources"].items():
+        keys = [k for k in start["digests"] if unit_of(k, prefixes) == unit]
+        for step, digests in steps.items():
+            if step != source["step"] and keys and any(digests.get(k) != start["digests"][k] for k in keys):
+                source["step"] = step
+                return unit
+    raise AssertionError("no unit changed between the steps of the first incarnation")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDED_TRIALS)
 def test_seeded_trial(seed: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One randomized trial must pass every check; on its real records the oracle must also catch a report
+    that claims a wrong step (so a pass is not a check that cannot fail)."""
     root = tmp_path_factory.getbasetemp() / "chaos"
     cfg = TrialConfig()
-    result = run_trial(seed, root, cfg, reference_records(root, cfg))
+    result = run_trial(seed, root, cfg, reference_records(root, cfg), keep=True)
+    records = {r: read_records(root / f"trial-{seed}" / "oracle" / f"rank{r}.jsonl") for r in range(4)}
+    if any(r["kind"] == "start" and r["step"] > 0 for r in records[0]):
+        tampered = copy.deepcopy(records)
+        unit = _claim_a_wrong_step(tampered)
+        assert any(unit in f for f in check_restore(tampered)), f"a wrong source step of {unit} went unnoticed"
     failed = {check: details[:3] for check, details in result.failures.items() if details}
     assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {failed}"
