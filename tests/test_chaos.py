@@ -138,11 +138,14 @@ def test_restore_check_can_fail_a_wrong_source_step() -> None:
 
 def test_restore_check_fails_a_never_saved_unit_that_is_not_initial_or_has_state() -> None:
     sources = {**SOURCES, "expert/L0/E1": -1}
-    assert check_restore({0: _run(6, sources)}) == []
+    assert check_restore({0: _run(6, sources)}, never_saved=True) == []
     restored = _digests(6, {**sources, "expert/L0/E1": 0})
     restored["optim/model.blocks.1.moe.experts.1.fc.weight/exp_avg"] = "zeros"  # state made up by the recovery
-    failures = check_restore({0: _run(6, sources, restored)})
+    failures = check_restore({0: _run(6, sources, restored)}, never_saved=True)
     assert len(failures) == 1 and "exp_avg" in failures[0] and "absent" in failures[0], failures
+    assert check_restore({0: _run(6, sources, restored)}) == [], "the other units are a separate check"
+    restored["param/model.blocks.1.moe.experts.1.fc.weight"] = "trained"
+    assert "differs" in check_restore({0: _run(6, sources, restored)}, never_saved=True)[0]
 
 
 def test_restore_check_fails_missing_units_steps_and_reports() -> None:
