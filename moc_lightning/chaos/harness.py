@@ -177,7 +177,7 @@ def run_incarnation(
             rc = proc.wait(timeout=cfg.incarnation_timeout)
             hang = None
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)
             rc = proc.wait()
             hang = f"no exit within {cfg.incarnation_timeout:.0f} s"
     text = log.read_text(errors="replace")
@@ -194,6 +194,22 @@ def run_incarnation(
         "killed": killed,
         "tail": (errors[-1] if errors else text[-300:])[:400],
     }
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers live in sessions of their own)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a hung launch: ``pid`` and every process it started."""
+    for victim in (*_descendants(pid), pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def reference_records(root: Path, cfg: TrialConfig) -> dict[int, list[dict[str, Any]]]:
