@@ -5,9 +5,9 @@ damaged stored files; after every recovery the restored state, the data order an
     python recipes/chaos.py seeds=111,118 out=chaos.json      # rerun chosen trials
 
 Trial ``i`` draws its faults from seed ``seed + i``; ``seeds`` runs exactly those (a failing trial's seed
-reproduces its faults). ``keep=1`` keeps each trial's directory (storage, logs, oracle records) under ``work``. ``out`` gets
-the pass/fail counts per check and per fault kind and every failing trial's seed, faults and details; the
-summary table is printed. Exits 1 when a trial failed.
+reproduces its faults). ``keep=1`` keeps each trial's directory (storage, logs, oracle records) under ``work``.
+``out`` gets the pass/fail counts per check and per fault kind and every failing trial's seed, faults and
+details; the summary table is printed. Exits 1 when a trial failed.
 """
 
 from __future__ import annotations

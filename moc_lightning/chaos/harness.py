@@ -93,11 +93,11 @@ def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
     phase = rng.choice(KILL_PHASES)
     rank = 0 if phase == "manifest_commit" else rng.randrange(WORLD)
     if phase == "train":
-        step = rng.randrange(cfg.every + 1, cfg.max_steps - 1)
+        step = rng.randrange(1, cfg.max_steps)
     elif phase in ("persist", "manifest_commit"):
-        step = rng.choice(cfg.persist_steps[1:] or cfg.persist_steps)
+        step = rng.choice(cfg.persist_steps)
     else:
-        step = rng.choice(cfg.snapshot_steps[1:])
+        step = rng.choice(cfg.snapshot_steps)
     faults = [Fault("kill", 0, plan=FaultPlan(rank, step, phase, incarnation=0).spec())]
     second = rng.choice(SECOND_FAULTS)
     if second == "node_loss":
@@ -181,7 +181,7 @@ def run_incarnation(
             rc = proc.wait()
             hang = f"no exit within {cfg.incarnation_timeout:.0f} s"
     text = log.read_text(errors="replace")
-    killed = "Signal 9" in text or "SIGKILL" in text or "exitcode  : -9" in text
+    killed = any(mark in text for mark in ("exitcode: -9", "exitcode  : -9", "Signal 9", "SIGKILL"))
     if hang is None and rc != 0 and not killed:  # a killed rank's peers may time out while torchrun stops them
         hang = next((f"a collective timed out: {line.strip()[:200]}" for line in text.splitlines()
                      if any(m in line for m in HANG_MARKERS) and "Error" in line), None)
@@ -231,6 +231,9 @@ class TrialResult:
     applied: list[str] = field(default_factory=list)
     outcomes: list[dict[str, Any]] = field(default_factory=list)
     failures: dict[str, list[str]] = field(default_factory=dict)
+    fired: list[bool] = field(default_factory=list)
+    """Per drawn fault, whether it happened (a kill planned past the end of training, or damage after a clean
+    finish, does not)."""
     starts: list[tuple[int, int]] = field(default_factory=list)
     """``(incarnation, step it trained from)`` as rank 0 recorded them: where each recovery landed."""
     seconds: float = 0.0
@@ -266,6 +269,7 @@ def run_trial(
                 elif f.after == inc and f.kind == "damage":
                     result.applied.append(damage(work / "ckpt", f.target, f.op, rng))
         records = {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
+        result.fired = [_fired(f, result.outcomes) for f in faults]
         result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == "start"]
         result.failures = run_checks(records, reference, result.outcomes, cfg.max_steps, WORLD)
     finally:
@@ -276,6 +280,15 @@ def run_trial(
     return result
 
 
+def _fired(fault: Fault, outcomes: list[dict[str, Any]]) -> bool:
+    """A kill fired when its incarnation lost a rank to SIGKILL; node loss and damage apply when the
+    incarnation before them failed."""
+    if fault.after >= len(outcomes):
+        return False
+    outcome = outcomes[fault.after]
+    return bool(outcome["killed"]) if fault.kind == "kill" else outcome["rc"] != 0
+
+
 def tally(results: list[TrialResult]) -> dict[str, Any]:
     """Pass/fail counts per check, overall and per fault kind, and every failing trial's first details."""
     checks: dict[str, Counter] = {}
@@ -284,19 +297,21 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
         for check, details in result.failures.items():
             verdict = "fail" if details else "pass"
             checks.setdefault(check, Counter())[verdict] += 1
-            for fault in {f["label"] for f in result.faults}:
+            for fault in {f["label"] for f, fired in zip(result.faults, result.fired) if fired}:
                 by_fault.setdefault(fault, {}).setdefault(check, Counter())[verdict] += 1
     return {
         "trials": len(results),
         "passed": sum(r.passed for r in results),
-        "injections": sum(len(r.faults) for r in results),
+        "injections": sum(sum(r.fired) for r in results),
+        "not_fired": dict(Counter(f["label"] for r in results for f, fired in zip(r.faults, r.fired) if not fired)),
         "seconds_per_trial": [r.seconds for r in results],
         "checks": {k: dict(v) for k, v in checks.items()},
         "by_fault": {f: {k: dict(v) for k, v in c.items()} for f, c in sorted(by_fault.items())},
         "failures": [
             {
                 "seed": r.seed,
-                "faults": [f["label"] + (f" ({f['plan']})" if f["plan"] else "") for f in r.faults],
+                "faults": [f["label"] + (f" ({f['plan']})" if f["plan"] else "") + ("" if fired else " [not fired]")
+                           for f, fired in zip(r.faults, r.fired)],
                 "applied": r.applied,
                 "starts": r.starts,
                 "incarnations": [{k: o[k] for k in ("inc", "rc", "seconds", "hang", "killed")} for o in r.outcomes],
@@ -312,7 +327,8 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
 def summary_table(summary: Mapping[str, Any]) -> str:
     """The counts as a small text table: one row per check, then one per fault kind."""
     checks = list(summary["checks"])
-    lines = [f"{summary['passed']}/{summary['trials']} trials passed, {summary['injections']} injections",
+    lines = [f"{summary['passed']}/{summary['trials']} trials passed, {summary['injections']} injections "
+             f"(drawn but not fired: {summary['not_fired'] or 'none'})",
              f"{'':28}" + "".join(f"{c:>14}" for c in checks)]
 
     def row(name: str, counts: Mapping[str, Mapping[str, int]]) -> str:
