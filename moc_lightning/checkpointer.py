@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.distributed import collective_device
+from moc_lightning.faults import fault_point
 from moc_lightning.layout import Layout, TensorSpec, slot_key
 from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k
 from moc_lightning.lineage import Lineage, LineageError
@@ -424,6 +425,7 @@ class PECCheckpointer:
         self._at("commit:previous_manifest")
         self.storage.put(PREVIOUS_MANIFEST, current.to_json())  # the fallback if the new one gets damaged
         self._at("commit:manifest")
+        fault_point("manifest_commit", record.step)
         try:
             self.storage.put(MANIFEST, manifest.to_json())
         except (Exception, CheckpointException):

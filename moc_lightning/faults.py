@@ -1,15 +1,30 @@
-"""Fault injection for drills: kill a chosen rank at a chosen step and phase, optionally losing its node.
+"""Fault injection for drills: kill a chosen rank at a chosen point of training, checkpointing or recovery.
 
 Configured by the environment variable ``MOC_FAULT`` (so ``torchrun`` passes it to every worker), e.g.
-``MOC_FAULT="rank=1,step=30,phase=snapshot,node_loss=1"``. It fires only in the first incarnation of the
-job (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job runs through. Phases:
+``MOC_FAULT="rank=1,step=30,phase=snapshot,node_loss=1"``. Fields:
 
-- ``train``: SIGKILL at the end of train step ``step`` (after that step's snapshot was started);
-- ``snapshot``: SIGKILL halfway through copying the snapshot of ``step`` into its slot;
-- ``persist``: SIGKILL after the persist of ``step`` wrote its bytes, before the manifest commit.
+- ``rank`` (required): the global rank that dies;
+- ``phase``: where (below; default ``train``);
+- ``step``: the step the point must be at (omitted: any step);
+- ``nth``: die at the ``nth`` matching occurrence, not the first (1-based), so a randomized harness can pick
+  a random moment without knowing the schedule's steps;
+- ``incarnation``: fire only in the job incarnation whose environment variable ``MOC_INCARNATION`` has this
+  value. A harness that relaunches the job itself sets it per launch. Without it the fault fires only in the
+  first incarnation of a ``torchrun`` job (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job runs through;
+- ``node_loss``: when the job restarts, the ranks of the lost node find their node's shared-memory root
+  empty (the drill deletes it before anyone looks).
 
-Node loss is what a replacement node sees: when the job restarts, the ranks of the lost node find their
-node's shared-memory root empty (the drill deletes it before anyone looks).
+Phases (SIGKILL at):
+
+- ``train``: the end of train step ``step`` (after that step's snapshot was started);
+- ``snapshot``: halfway through copying the snapshot of ``step`` into its slot;
+- ``slot_commit``: the background commit of the snapshot of ``step``, before its slot's metadata is written;
+- ``persist``: after the persist of ``step`` wrote its bytes, before the manifest commit;
+- ``manifest_commit``: inside the coordinator's commit of the persist of ``step``, after the checkpoint's
+  self-description and the previous manifest were written, before the new manifest is (only the coordinator
+  gets there, so only a plan for rank 0 fires);
+- ``recovery``: inside a two-level recovery, after the units from memory were restored, before storage
+  loads (``step`` is the resume step).
 """
 
 from __future__ import annotations
@@ -18,35 +33,62 @@ import os
 import signal
 from dataclasses import dataclass
 
-PHASES = ("train", "snapshot", "persist")
+PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit", "recovery")
+FIELDS = ("rank", "step", "phase", "nth", "incarnation", "node_loss")
 
 
 @dataclass(frozen=True)
 class FaultPlan:
     rank: int
-    step: int
+    step: int | None = None
     phase: str = "train"
     node_loss: bool = False
+    nth: int = 1
+    incarnation: int | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"MOC_FAULT phase={self.phase!r} is not one of {', '.join(PHASES)}")
+        if self.nth < 1:
+            raise ValueError(f"MOC_FAULT nth={self.nth} must be >= 1")
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultPlan:
+        """A plan from its ``key=value,...`` text (the format of ``MOC_FAULT``)."""
+        fields = dict(part.split("=", 1) for part in spec.split(",") if part)
+        unknown = set(fields) - set(FIELDS)
+        if unknown:
+            raise ValueError(f"MOC_FAULT has unknown fields {sorted(unknown)}; allowed: {', '.join(FIELDS)}")
+        if "rank" not in fields:
+            raise ValueError(f"MOC_FAULT={spec!r} needs rank=<global rank that dies>")
+        return cls(
+            rank=int(fields["rank"]),
+            step=int(fields["step"]) if fields.get("step", "") != "" else None,
+            phase=fields.get("phase", "train"),
+            node_loss=fields.get("node_loss", "0") in ("1", "true", "yes"),
+            nth=int(fields.get("nth", "1")),
+            incarnation=int(fields["incarnation"]) if fields.get("incarnation", "") != "" else None,
+        )
+
+    def spec(self) -> str:
+        """The ``MOC_FAULT`` text of this plan (``parse`` inverts it)."""
+        parts = [f"rank={self.rank}", f"phase={self.phase}", f"nth={self.nth}", f"node_loss={int(self.node_loss)}"]
+        if self.step is not None:
+            parts.append(f"step={self.step}")
+        if self.incarnation is not None:
+            parts.append(f"incarnation={self.incarnation}")
+        return ",".join(parts)
 
     @classmethod
     def from_env(cls) -> FaultPlan | None:
         spec = os.environ.get("MOC_FAULT")
-        if not spec:
-            return None
-        fields = dict(part.split("=", 1) for part in spec.split(",") if part)
-        unknown = set(fields) - {"rank", "step", "phase", "node_loss"}
-        if unknown:
-            raise ValueError(f"MOC_FAULT has unknown fields {sorted(unknown)}; allowed: rank, step, phase, node_loss")
-        return cls(
-            rank=int(fields["rank"]),
-            step=int(fields["step"]),
-            phase=fields.get("phase", "train"),
-            node_loss=fields.get("node_loss", "0") in ("1", "true", "yes"),
-        )
+        return cls.parse(spec) if spec else None
+
+    def in_this_incarnation(self) -> bool:
+        """Whether this process belongs to the incarnation the plan is meant for."""
+        if self.incarnation is not None:
+            return os.environ.get("MOC_INCARNATION") == str(self.incarnation)
+        return restart_count() == 0
 
 
 def restart_count() -> int:
@@ -54,14 +96,32 @@ def restart_count() -> int:
 
 
 class FaultInjector:
-    """Kills this process when the plan says so; a no-op without a plan or after a restart."""
+    """Kills this process when the plan says so; a no-op without a plan, on other ranks, or in other incarnations."""
 
     def __init__(self, plan: FaultPlan | None, rank: int) -> None:
-        self.plan = plan if plan is not None and plan.rank == rank and restart_count() == 0 else None
+        active = plan is not None and plan.rank == rank and plan.in_this_incarnation()
+        self.plan = plan if active else None
         self.lost_node = plan.node_loss and restart_count() > 0 if plan is not None else False
         self.faulty_rank = plan.rank if plan is not None else None
+        self._seen = 0
 
     def at(self, phase: str, step: int) -> None:
-        """Call at each injection point; SIGKILLs the process when phase and step match."""
-        if self.plan is not None and self.plan.phase == phase and self.plan.step == step:
+        """Call at each injection point; SIGKILLs the process at the plan's ``nth`` matching occurrence."""
+        plan = self.plan
+        if plan is None or plan.phase != phase or (plan.step is not None and plan.step != step):
+            return
+        self._seen += 1
+        if self._seen == plan.nth:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+_process_injector: FaultInjector | None = None
+
+
+def fault_point(phase: str, step: int) -> None:
+    """An injection point in code that holds no injector (the storage commit): the plan of ``MOC_FAULT`` for
+    this process's global rank (``RANK``), created on first use."""
+    global _process_injector
+    if _process_injector is None:
+        _process_injector = FaultInjector(FaultPlan.from_env(), int(os.environ.get("RANK", "0")))
+    _process_injector.at(phase, step)

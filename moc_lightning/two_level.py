@@ -235,6 +235,7 @@ class TwoLevelCheckpointer:
         """
         start = time.perf_counter()
         extra["trainer"] = encode_state(trainer_state)
+        self.faults.at("slot_commit", step)
         meta = self.store.finish(slot, step, units, entries, extra, stream)
         return meta, time.perf_counter() - start
 
@@ -454,6 +455,7 @@ class TwoLevelCheckpointer:
         restored = [parse_unit(key) for key, src in plan.sources.items() if src.level != "none"]
         pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
         self._restore_from_memory(plan, by_slot, in_memory)
+        self.faults.at("recovery", plan.resume_step)
         pec.load_from_storage(stored)
         restored_from = [
             [plan.sources[ExpertUnit(layer, e).key].step for e in range(n)]

@@ -1,0 +1,202 @@
+"""Pure checks over the oracle's records (:mod:`.oracle`): what a user needs from every recovery.
+
+- ``restore``: after every resume, every restored tensor equals, bitwise, the oracle's digest of it at the
+  step its unit reports as its source, and nothing else is there; the learning rate is that of the resume
+  step; a fresh start begins from the initial state;
+- ``restore_never_saved``: the same for the units reported as never saved (step ``-1``): they are the
+  initial state, with no optimizer state (kept apart because one bug there would hide every other);
+- ``data``: every step of every incarnation trains on exactly the samples an uninterrupted run trains on at
+  that step (no sample replayed or skipped after a resume);
+- ``completes``: the final incarnation ends cleanly with every rank at ``max_steps``;
+- ``no_hang``: no incarnation ran into the harness's timeout or a collective's timeout.
+
+Units are derived from tensor names here, not by MoC's layout: an expert is ``...experts.<global id>...``
+under a MoE layer whose ordinal is its rank among the MoE layers' prefixes; any other parameter belongs to
+the module one level below the MoE layer (its router) or below the first integer-indexed module (a
+block's attention, FFN, norms), and otherwise to its own module (embeddings, final norm).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+NEVER = -1
+TRAINER_UNIT = "trainer"
+"""Pseudo-unit of the learning rates: restored from the resume step."""
+MAX_DETAILS = 40
+
+_EXPERT = re.compile(r"^(?P<layer>.+?)\.experts\.(?P<expert>\d+)\.")
+_UNDER_INDEX = re.compile(r"^(?P<module>.*?\.\d+\.[^.]+)\.")
+
+Records = Mapping[int, Sequence[Mapping[str, Any]]]
+"""rank -> that rank's records in file order."""
+
+
+def tensor_name(key: str) -> str | None:
+    """The module-tree name in a digest key (``param/<fqn>``, ``optim/<fqn>/<state>``); ``None`` for lr keys."""
+    kind, _, rest = key.partition("/")
+    if kind in ("param", "buffer"):
+        return rest
+    if kind == "optim":
+        return rest.rsplit("/", 1)[0]
+    return None
+
+
+def moe_prefixes(keys: Iterable[str]) -> list[str]:
+    """The MoE layers' module prefixes, in ordinal order (natural order of their names)."""
+    found = {m["layer"] for key in keys if (name := tensor_name(key)) and (m := _EXPERT.match(name))}
+    return sorted(found, key=lambda p: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", p)])
+
+
+def unit_of(key: str, prefixes: Sequence[str]) -> str:
+    """The MoC unit key owning digest key ``key``, derived from its name alone."""
+    name = tensor_name(key)
+    if name is None:
+        return TRAINER_UNIT
+    if m := _EXPERT.match(name):
+        return f"expert/L{prefixes.index(m['layer'])}/E{int(m['expert'])}"
+    for prefix in prefixes:
+        if name.startswith(prefix + "."):
+            below = name[len(prefix) + 1 :].split(".")[0]
+            return f"dense/{prefix}.{below}"
+    if m := _UNDER_INDEX.match(name):
+        return f"dense/{m['module']}"
+    return "dense/" + (name.rsplit(".", 1)[0] if "." in name else name)
+
+
+def _expected_state(records: Sequence[Mapping[str, Any]], inc: int, step: int) -> Mapping[str, str] | None:
+    """The oracle's digests of the state at ``step`` in the timeline incarnation ``inc`` resumed from: the
+    newest earlier incarnation that reached it (``step`` -1: the newest earlier fresh start's initial state)."""
+    if step == NEVER:
+        starts = [r for r in records if r["kind"] == "start" and r["step"] == 0 and r["inc"] < inc]
+        return starts[-1]["digests"] if starts else None
+    steps = [r for r in records if r["kind"] == "step" and r["step"] == step and r["inc"] < inc]
+    return steps[-1]["digests"] if steps else None
+
+
+def check_restore(records: Records, never_saved: bool = False) -> list[str]:
+    """Every resume restored exactly the state its report claims; every fresh start the initial state.
+
+    ``never_saved``: check only the units reported as never saved; otherwise every other unit."""
+    failures: list[str] = []
+    for rank, recs in sorted(records.items()):
+        initial = next((r["digests"] for r in recs if r["kind"] == "start" and r["step"] == 0), None)
+        for start in (r for r in recs if r["kind"] == "start"):
+            where = f"rank {rank} incarnation {start['inc']}"
+            if start["step"] == 0:
+                if not never_saved and initial is not None and start["digests"] != initial:
+                    bad = sorted(k for k in set(initial) | set(start["digests"])
+                                 if initial.get(k) != start["digests"].get(k))
+                    failures.append(f"{where}: a fresh start differs from the initial state in {bad[:3]}")
+                continue
+            failures += _check_resume(recs, start, where, never_saved)
+    return failures
+
+
+def _check_resume(
+    recs: Sequence[Mapping[str, Any]], start: Mapping[str, Any], where: str, never_saved: bool
+) -> list[str]:
+    report = start.get("report")
+    if never_saved and report is None:
+        return []
+    if report is None:
+        return [f"{where}: resumed at step {start['step']} without a recovery report"]
+    if report["resume_step"] != start["step"]:
+        return [f"{where}: trains from step {start['step']} but the report says {report['resume_step']}"]
+    restored: Mapping[str, str] = start["digests"]
+    prefixes = moe_prefixes(restored)
+    sources = {unit: int(s["step"]) for unit, s in report["sources"].items()}
+    sources[TRAINER_UNIT] = start["step"]
+    sources = {unit: step for unit, step in sources.items() if (step == NEVER) == never_saved}
+    failures = []
+    for unit, step in sorted(sources.items()):
+        if step > start["step"]:
+            failures.append(f"{where}: {unit} reports source step {step}, after the resume step {start['step']}")
+    expected_by_step: dict[int, Mapping[str, str] | None] = {}
+    keys = set(restored)
+    for step in set(sources.values()):
+        expected_by_step[step] = _expected_state(recs, start["inc"], step)
+        if expected_by_step[step] is not None:
+            keys |= {k for k in expected_by_step[step] if sources.get(unit_of(k, prefixes)) == step}
+    wrong: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        unit = unit_of(key, prefixes)
+        if unit not in report["sources"] and unit != TRAINER_UNIT:
+            if not never_saved:
+                failures.append(f"{where}: {key} belongs to {unit}, which the recovery report does not list")
+            continue
+        if unit not in sources:
+            continue
+        step = sources[unit]
+        expected = expected_by_step[step]
+        if expected is None:
+            failures.append(f"{where}: {key} claims source step {step}, which no earlier incarnation reached")
+        elif expected.get(key) != restored.get(key):
+            have = "missing" if key not in restored else "differs"
+            want = "absent" if key not in expected else "present"
+            wrong.setdefault(unit, []).append(f"{key} {have} (at step {step} it was {want})")
+    for unit, keys_wrong in wrong.items():
+        more = f" and {len(keys_wrong) - 1} more of its tensors" if len(keys_wrong) > 1 else ""
+        failures.append(f"{where}: {unit} (source step {sources[unit]}, level "
+                        f"{report['sources'].get(unit, {}).get('level', 'n/a')}): {keys_wrong[0]}{more}")
+    return failures
+
+
+def check_data(records: Records, reference: Records) -> list[str]:
+    """Every recorded step trained on the samples of the uninterrupted run's same step, on the same rank.
+
+    One detail per rank and incarnation: its first wrong step, and how many were wrong."""
+    failures = []
+    for rank, recs in sorted(records.items()):
+        ref = {r["step"]: r["samples"] for r in reference.get(rank, ()) if r["kind"] == "step"}
+        by_samples = {tuple(v): k for k, v in ref.items()}
+        wrong: dict[int, list[str]] = {}
+        for r in recs:
+            if r["kind"] != "step" or ref.get(r["step"]) == r["samples"]:
+                continue
+            if r["step"] not in ref:
+                wrong.setdefault(r["inc"], []).append(f"step {r['step']} is beyond the reference run")
+                continue
+            other = by_samples.get(tuple(r["samples"]))
+            seen = f"the samples of step {other} (a replay or skip)" if other is not None else "other samples"
+            wrong.setdefault(r["inc"], []).append(f"step {r['step']} trained on {seen}")
+        for inc, steps in sorted(wrong.items()):
+            more = f" (and {len(steps) - 1} more steps)" if len(steps) > 1 else ""
+            failures.append(f"rank {rank} incarnation {inc}: {steps[0]}{more}")
+    return failures
+
+
+def check_completes(records: Records, outcomes: Sequence[Mapping[str, Any]], max_steps: int, world: int) -> list[str]:
+    """The last incarnation exited cleanly and every rank recorded ``max_steps``."""
+    if not outcomes or outcomes[-1]["rc"] != 0:
+        rcs = [o["rc"] for o in outcomes]
+        return [f"no clean finish in {len(outcomes)} incarnations (exit codes {rcs}): "
+                f"{outcomes[-1].get('tail', '') if outcomes else ''}"]
+    last = outcomes[-1]["inc"]
+    failures = []
+    for rank in range(world):
+        steps = [r["step"] for r in records.get(rank, ()) if r["kind"] == "step" and r["inc"] == last]
+        if max(steps, default=0) != max_steps:
+            failures.append(f"rank {rank}: the final incarnation {last} ended at step {max(steps, default=0)}, "
+                            f"not max_steps={max_steps}")
+    return failures
+
+
+def check_no_hang(outcomes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """No incarnation hit the harness's timeout or a process group's timeout."""
+    return [f"incarnation {o['inc']} hung ({o['hang']})" for o in outcomes if o.get("hang")]
+
+
+def run_checks(
+    records: Records, reference: Records, outcomes: Sequence[Mapping[str, Any]], max_steps: int, world: int
+) -> dict[str, list[str]]:
+    """Every check's failure details (an empty list: passed)."""
+    return {
+        "no_hang": check_no_hang(outcomes),
+        "completes": check_completes(records, outcomes, max_steps, world),
+        "restore": check_restore(records)[:MAX_DETAILS],
+        "restore_never_saved": check_restore(records, never_saved=True)[:MAX_DETAILS],
+        "data": check_data(records, reference)[:MAX_DETAILS],
+    }

@@ -1,0 +1,341 @@
+"""Chaos trials: draw faults at random (seeded), run the job incarnation by incarnation, check with the oracle.
+
+A trial is one training job of ``max_steps`` on 4 ranks (2 simulated nodes of 2). Incarnation 0 runs with
+the first fault; between incarnations the harness applies what a crash leaves behind (a lost node's shared
+memory, a damaged stored file); later incarnations run without a fault (or with the trial's second kill),
+until one finishes cleanly or the restart budget runs out (a crash loop). Each incarnation is its own
+``torchrun --max-restarts=0`` under a wall-clock timeout, so a hang is a finding, never a stuck harness.
+
+The uninterrupted reference run (same configuration, no MoC, no fault) gives the sample ids each step must
+see; it runs once per configuration and is cached in the work directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moc_lightning.chaos.checks import run_checks
+from moc_lightning.chaos.oracle import INCARNATION_ENV, read_records
+from moc_lightning.faults import FaultPlan
+
+WORLD = 4
+RANKS_PER_NODE = 2
+KILL_PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit")
+DAMAGE_TARGETS = ("data", "metadata", "moc_json", "manifest")
+DAMAGE_OPS = ("flip", "truncate", "delete")
+SECOND_FAULTS = ("none", "node_loss", "damage", "kill_recovery", "kill_train")
+HANG_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """What every trial trains; lean on purpose (a trial is a few incarnations of ~20 s each)."""
+
+    max_steps: int = 24
+    every: int = 3
+    persist_every: int = 2
+    k_snapshot: int = 2
+    k_persist: int = 1
+    restarts: int = 4
+    """Restarts after incarnation 0 before the trial counts as a crash loop."""
+    incarnation_timeout: float = 180.0
+    """Seconds an incarnation may take before it counts as hung."""
+    pg_timeout: float = 60.0
+
+    @property
+    def snapshot_steps(self) -> list[int]:
+        return list(range(self.every, self.max_steps, self.every))
+
+    @property
+    def persist_steps(self) -> list[int]:
+        return self.snapshot_steps[:: self.persist_every]
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One drawn fault. ``kind``: ``kill`` (with a MOC_FAULT plan), ``node_loss`` or ``damage``."""
+
+    kind: str
+    after: int
+    """Kills: the incarnation it fires in; node loss and damage: applied after this incarnation ended."""
+    plan: str | None = None
+    node: int | None = None
+    target: str | None = None
+    op: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "kill":
+            return f"kill:{FaultPlan.parse(self.plan).phase}"
+        if self.kind == "damage":
+            return f"damage:{self.target}:{self.op}"
+        return self.kind
+
+
+def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
+    """A kill at a random point of incarnation 0, maybe followed by a second fault."""
+    phase = rng.choice(KILL_PHASES)
+    rank = 0 if phase == "manifest_commit" else rng.randrange(WORLD)
+    if phase == "train":
+        step = rng.randrange(1, cfg.max_steps)
+    elif phase in ("persist", "manifest_commit"):
+        step = rng.choice(cfg.persist_steps)
+    else:
+        step = rng.choice(cfg.snapshot_steps)
+    faults = [Fault("kill", 0, plan=FaultPlan(rank, step, phase, incarnation=0).spec())]
+    second = rng.choice(SECOND_FAULTS)
+    if second == "node_loss":
+        faults.append(Fault("node_loss", 0, node=rng.randrange(WORLD // RANKS_PER_NODE)))
+    elif second == "damage":
+        faults.append(Fault("damage", 0, target=rng.choice(DAMAGE_TARGETS), op=rng.choice(DAMAGE_OPS)))
+    elif second == "kill_recovery":
+        faults.append(Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "recovery", incarnation=1).spec()))
+    elif second == "kill_train":
+        nth = rng.randrange(1, cfg.max_steps // 2)
+        faults.append(Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "train", nth=nth,
+                                                      incarnation=1).spec()))
+    return faults
+
+
+def damage(storage: Path, target: str, op: str, rng: random.Random) -> str:
+    """Damage one stored file of the newest checkpoint (or the manifest); says what was done, or why not."""
+    checkpoints = sorted(p for p in storage.glob("step_*") if p.is_dir())
+    if target == "manifest":
+        path = storage / "manifest.json"
+    elif not checkpoints:
+        return f"no checkpoint to damage ({target})"
+    elif target == "data":
+        files = sorted(checkpoints[-1].glob("*.distcp"))
+        path = rng.choice(files) if files else checkpoints[-1] / "missing.distcp"
+    else:
+        path = checkpoints[-1] / (".metadata" if target == "metadata" else "moc.json")
+    if not path.exists():
+        return f"{path} does not exist"
+    if op == "delete":
+        path.unlink()
+    elif op == "truncate":
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    else:
+        data = bytearray(path.read_bytes())
+        if not data:
+            return f"{path} is empty"
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        return f"flipped a bit of byte {i} of {path.relative_to(storage)}"
+    return f"{op} {path.relative_to(storage)}"
+
+
+def lose_node(shm_root: Path, node: int) -> str:
+    """Delete a simulated node's shared-memory root, as a replacement node would find it."""
+    gone = [p for p in shm_root.glob(f"*/node{node}") if p.is_dir()]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return f"deleted {len(gone)} node{node} root(s)"
+
+
+def run_incarnation(
+    work: Path, shm_root: Path, cfg: TrialConfig, inc: int, fault_plan: str | None, no_moc: bool = False
+) -> dict[str, Any]:
+    """One ``torchrun`` launch; its outcome: exit code, seconds, whether it hung, the last lines of output."""
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    env[INCARNATION_ENV] = str(inc)
+    env.pop("MOC_FAULT", None)
+    if fault_plan:
+        env["MOC_FAULT"] = fault_plan
+    shutil.rmtree(work / "run" / "moc_recovery", ignore_errors=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+        "--max-restarts=0", "-m", "moc_lightning.chaos.worker", "--work", str(work), "--shm-root", str(shm_root),
+        "--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--persist-every", str(cfg.persist_every),
+        "--k-snapshot", str(cfg.k_snapshot), "--k-persist", str(cfg.k_persist), "--pg-timeout", str(cfg.pg_timeout),
+    ] + (["--no-moc"] if no_moc else [])  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / f"inc{inc}.log"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=cfg.incarnation_timeout)
+            hang = None
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            rc = proc.wait()
+            hang = f"no exit within {cfg.incarnation_timeout:.0f} s"
+    text = log.read_text(errors="replace")
+    killed = any(mark in text for mark in ("exitcode: -9", "exitcode  : -9", "Signal 9", "SIGKILL"))
+    if hang is None and rc != 0 and not killed:  # a killed rank's peers may time out while torchrun stops them
+        hang = next((f"a collective timed out: {line.strip()[:200]}" for line in text.splitlines()
+                     if any(m in line for m in HANG_MARKERS) and "Error" in line), None)
+    errors = [line.strip() for line in text.splitlines() if "Error" in line and "Traceback" not in line]
+    return {
+        "inc": inc,
+        "rc": rc,
+        "seconds": round(time.monotonic() - start, 1),
+        "hang": hang,
+        "killed": killed,
+        "tail": (errors[-1] if errors else text[-300:])[:400],
+    }
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun's workers live in sessions of their own)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return [d for c in children for d in (c, *_descendants(c))]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a hung launch: ``pid`` and every process it started."""
+    for victim in (*_descendants(pid), pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def reference_records(root: Path, cfg: TrialConfig) -> dict[int, list[dict[str, Any]]]:
+    """The uninterrupted run's records, computed once per configuration under ``root``."""
+    work = root / f"reference-{cfg.key()}"
+    if not (work / "done").exists():
+        shutil.rmtree(work, ignore_errors=True)
+        outcome = run_incarnation(work, Path("/dev/shm/unused"), cfg, 0, None, no_moc=True)
+        if outcome["rc"] != 0:
+            raise RuntimeError(f"the reference run failed: {outcome}")
+        (work / "done").write_text(json.dumps(outcome))
+    return {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    faults: list[dict[str, Any]]
+    applied: list[str] = field(default_factory=list)
+    outcomes: list[dict[str, Any]] = field(default_factory=list)
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    fired: list[bool] = field(default_factory=list)
+    """Per drawn fault, whether it happened (a kill planned past the end of training, or damage after a clean
+    finish, does not)."""
+    starts: list[tuple[int, int]] = field(default_factory=list)
+    """``(incarnation, step it trained from)`` as rank 0 recorded them: where each recovery landed."""
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not any(self.failures.values())
+
+
+def run_trial(
+    seed: int, root: Path, cfg: TrialConfig, reference: Mapping[int, list[dict[str, Any]]], keep: bool = False
+) -> TrialResult:
+    """Draw the faults of ``seed``, run the trial's incarnations under ``root``, and check them."""
+    rng = random.Random(seed)
+    faults = draw_faults(rng, cfg)
+    result = TrialResult(seed, [asdict(f) | {"label": f.label} for f in faults])
+    print(f"[chaos] trial seed={seed}: faults {[f.label + (f' ({f.plan})' if f.plan else '') for f in faults]}",
+          flush=True)
+    work = root / f"trial-{seed}"
+    shm_root = Path(f"/dev/shm/chaos_{seed}_{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    start = time.monotonic()
+    try:
+        for inc in range(cfg.restarts + 1):
+            plan = next((f.plan for f in faults if f.kind == "kill" and f.after == inc), None)
+            outcome = run_incarnation(work, shm_root, cfg, inc, plan)
+            result.outcomes.append(outcome)
+            if outcome["rc"] == 0 or outcome["hang"]:
+                break  # a hang is the finding; restarting into more hangs would only burn the trial's time
+            for f in faults:
+                if f.after == inc and f.kind == "node_loss":
+                    result.applied.append(lose_node(shm_root, f.node))
+                elif f.after == inc and f.kind == "damage":
+                    result.applied.append(damage(work / "ckpt", f.target, f.op, rng))
+        records = {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
+        result.fired = [_fired(f, result.outcomes) for f in faults]
+        result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == "start"]
+        result.failures = run_checks(records, reference, result.outcomes, cfg.max_steps, WORLD)
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result.seconds = round(time.monotonic() - start, 1)
+    return result
+
+
+def _fired(fault: Fault, outcomes: list[dict[str, Any]]) -> bool:
+    """A kill fired when its incarnation lost a rank to SIGKILL; node loss and damage apply when the
+    incarnation before them failed."""
+    if fault.after >= len(outcomes):
+        return False
+    outcome = outcomes[fault.after]
+    return bool(outcome["killed"]) if fault.kind == "kill" else outcome["rc"] != 0
+
+
+def tally(results: list[TrialResult]) -> dict[str, Any]:
+    """Pass/fail counts per check, overall and per fault kind, and every failing trial's first details."""
+    checks: dict[str, Counter] = {}
+    by_fault: dict[str, dict[str, Counter]] = {}
+    for result in results:
+        for check, details in result.failures.items():
+            verdict = "fail" if details else "pass"
+            checks.setdefault(check, Counter())[verdict] += 1
+            for fault in {f["label"] for f, fired in zip(result.faults, result.fired) if fired}:
+                by_fault.setdefault(fault, {}).setdefault(check, Counter())[verdict] += 1
+    return {
+        "trials": len(results),
+        "passed": sum(r.passed for r in results),
+        "injections": sum(sum(r.fired) for r in results),
+        "not_fired": dict(Counter(f["label"] for r in results for f, fired in zip(r.faults, r.fired) if not fired)),
+        "seconds_per_trial": [r.seconds for r in results],
+        "checks": {k: dict(v) for k, v in checks.items()},
+        "by_fault": {f: {k: dict(v) for k, v in c.items()} for f, c in sorted(by_fault.items())},
+        "failures": [
+            {
+                "seed": r.seed,
+                "faults": [f["label"] + (f" ({f['plan']})" if f["plan"] else "") + ("" if fired else " [not fired]")
+                           for f, fired in zip(r.faults, r.fired)],
+                "applied": r.applied,
+                "starts": r.starts,
+                "incarnations": [{k: o[k] for k in ("inc", "rc", "seconds", "hang", "killed")} for o in r.outcomes],
+                "failed": {check: details[0] for check, details in r.failures.items() if details},
+                "details": {check: details for check, details in r.failures.items() if details},
+            }
+            for r in results
+            if not r.passed
+        ],
+    }
+
+
+def summary_table(summary: Mapping[str, Any]) -> str:
+    """The counts as a small text table: one row per check, then one per fault kind."""
+    checks = list(summary["checks"])
+    lines = [f"{summary['passed']}/{summary['trials']} trials passed, {summary['injections']} injections "
+             f"(drawn but not fired: {summary['not_fired'] or 'none'})",
+             f"{'':28}" + "".join(f"{c:>14}" for c in checks)]
+
+    def row(name: str, counts: Mapping[str, Mapping[str, int]]) -> str:
+        cells = "".join(f"{counts.get(c, {}).get('fail', 0):>6} fail/{sum(counts.get(c, {}).values()):<3}"
+                        for c in checks)
+        return f"{name:28}{cells}"
+
+    lines.append(row("all", summary["checks"]))
+    lines += [row(fault, counts) for fault, counts in summary["by_fault"].items()]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""One incarnation of a chaos trial's job, run by ``torchrun`` on every rank (CPU, gloo).
+
+    torchrun --standalone --nproc-per-node=4 -m moc_lightning.chaos.worker --work DIR --max-steps 24
+
+The tiny reference GPT-MoE (block size 32, batch 4, EP=2: 4 ranks as 2 simulated nodes of 2) trains with
+``MoCCheckpoint`` and the :class:`~moc_lightning.chaos.oracle.Oracle`, resuming through MoC whenever
+``resume_target()`` says so. The process-group timeout is short, so a collective that never completes ends
+the incarnation with an error instead of hanging it. Faults come from ``MOC_FAULT`` (see
+:mod:`moc_lightning.faults`) and fire in the incarnation ``MOC_INCARNATION`` names.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.chaos.oracle import Oracle
+from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.models import GPTMoEConfig
+from moc_lightning.models.lightning import GPTMoEModule
+
+MODEL = GPTMoEConfig(block_size=32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", type=Path, required=True, help="trial directory (storage, run dir, oracle)")
+    parser.add_argument("--shm-root", required=True)
+    parser.add_argument("--max-steps", type=int, default=24)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--persist-every", type=int, default=2)
+    parser.add_argument("--k-snapshot", type=int, default=2)
+    parser.add_argument("--k-persist", type=int, default=1)
+    parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout in seconds")
+    parser.add_argument("--no-moc", action="store_true", help="train without MoC (the reference run)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    callbacks: list[L.Callback] = [Oracle(args.work / "oracle")]
+    moc = None
+    if not args.no_moc:
+        moc = MoCCheckpoint(CheckpointConfig(
+            k_snapshot=args.k_snapshot,
+            k_persist=args.k_persist,
+            every_n_train_steps=args.every,
+            persist_every_n_snapshots=args.persist_every,
+            storage=StorageConfig(url=(args.work / "ckpt").resolve().as_uri()),
+            shm_root=args.shm_root,
+            ranks_per_node=2,
+        ))
+        callbacks.append(moc)
+    module = GPTMoEModule(MODEL, ep=2, seed=0)
+    data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=args.pg_timeout)),
+        max_steps=args.max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=moc is not None,
+        default_root_dir=str(args.work / "run"),
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target() if moc is not None else None)
+
+
+if __name__ == "__main__":
+    main()

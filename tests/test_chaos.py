@@ -1,0 +1,289 @@
+"""The chaos harness (issue 11): the oracle's digests and unit mapping, the pure checks (and that they can
+fail), fault plans, and a few seeded randomized trials (slow)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from moc_lightning.chaos.checks import (
+    check_completes,
+    check_data,
+    check_no_hang,
+    check_restore,
+    moe_prefixes,
+    unit_of,
+)
+from moc_lightning.chaos.harness import TrialConfig, damage, draw_faults, reference_records, run_trial
+from moc_lightning.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
+from moc_lightning.faults import FaultInjector, FaultPlan
+from moc_lightning.layout import build_layout
+from moc_lightning.models import GPTMoEConfig
+from moc_lightning.models.gpt_moe import GPTMoE
+
+
+# ------------------------------------------------------------------ oracle
+def test_tensor_digest_is_bitwise() -> None:
+    t = torch.arange(6, dtype=torch.float32)
+    assert tensor_digest(t) == tensor_digest(t.clone())
+    assert tensor_digest(t) != tensor_digest(t.reshape(2, 3)), "shape is part of the digest"
+    assert tensor_digest(t) != tensor_digest(t.double()), "dtype is part of the digest"
+    u = t.clone()
+    u[3] = torch.nextafter(u[3], torch.tensor(10.0))
+    assert tensor_digest(t) != tensor_digest(u), "one ulp apart must differ"
+
+
+def test_state_digests_cover_params_buffers_optimizer_state_and_lr() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = state_digests(model, optimizer)
+    assert "buffer/1.running_mean" in before and "buffer/1.num_batches_tracked" in before
+    assert not any(k.startswith("optim/") for k in before), "no optimizer state before the first step"
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    after = state_digests(model, optimizer)
+    assert {"optim/0.weight/exp_avg", "optim/0.weight/exp_avg_sq", "optim/0.weight/step", "lr/0"} <= set(after)
+    assert after["param/0.weight"] != before["param/0.weight"]
+    assert after["buffer/1.running_mean"] != before["buffer/1.running_mean"]
+
+
+def test_sample_ids_identify_sequences() -> None:
+    x = torch.tensor([[1, 2, 3], [4, 5, 6], [1, 2, 3]])
+    ids = sample_ids((x, x))
+    assert len(ids) == 3 and ids[0] == ids[2] != ids[1]
+
+
+class _Wrapped(nn.Module):
+    """The reference model under ``model.``, as the LightningModule names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPTMoE(GPTMoEConfig(block_size=8, n_layer=4, n_embd=16, num_experts=4))
+
+
+def test_unit_mapping_of_the_reference_model() -> None:
+    names = [f"param/{n}" for n, _ in _Wrapped().named_parameters()]
+    prefixes = moe_prefixes(names)
+    assert prefixes == ["model.blocks.1.moe", "model.blocks.3.moe"]
+    assert unit_of("param/model.blocks.3.moe.experts.2.fc.weight", prefixes) == "expert/L1/E2"
+    assert unit_of("optim/model.blocks.1.moe.experts.0.proj.bias/exp_avg", prefixes) == "expert/L0/E0"
+    assert unit_of("param/model.blocks.1.moe.router.weight", prefixes) == "dense/model.blocks.1.moe.router"
+    assert unit_of("param/model.blocks.0.attn.qkv.weight", prefixes) == "dense/model.blocks.0.attn"
+    assert unit_of("optim/model.blocks.2.ln1.bias/step", prefixes) == "dense/model.blocks.2.ln1"
+    assert unit_of("param/model.wte.weight", prefixes) == "dense/model.wte"
+    assert unit_of("param/model.ln_f.weight", prefixes) == "dense/model.ln_f"
+    assert unit_of("lr/0", prefixes) == "trainer"
+
+
+def test_unit_mapping_agrees_with_moc_layout_for_every_parameter() -> None:
+    """A cross-check in the test only: the oracle derives units on its own, and must name them as MoC does."""
+    module = _Wrapped()
+    layout = build_layout(module, None)
+    ours = {name: unit_of(f"param/{name}", moe_prefixes(f"param/{n}" for n, _ in module.named_parameters()))
+            for name, _ in module.named_parameters()}
+    theirs = {slot.param: unit.key for unit, slots in layout.slots.items() for slot in slots}
+    assert ours == theirs
+
+
+# ------------------------------------------------------------------ checks
+def _digests(step: int, units: dict[str, int] | None = None) -> dict[str, str]:
+    """Synthetic digests of the state at ``step`` (per key, the step can be overridden by unit)."""
+    keys = {
+        "param/model.wte.weight": "dense/model.wte",
+        "param/model.blocks.1.moe.router.weight": "dense/model.blocks.1.moe.router",
+        "param/model.blocks.1.moe.experts.0.fc.weight": "expert/L0/E0",
+        "param/model.blocks.1.moe.experts.1.fc.weight": "expert/L0/E1",
+    }
+    out = {}
+    for key, unit in keys.items():
+        s = max(0, (units or {}).get(unit, step))  # never saved (-1): the initial state
+        out[key] = f"{key}@{s}"
+        if s > 0:
+            out[key.replace("param/", "optim/", 1) + "/exp_avg"] = f"{key}/exp_avg@{s}"
+    out["lr/0"] = f"lr@{step}"
+    return out
+
+
+def _run(resume: int, sources: dict[str, int], restored: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Incarnation 0 trains to step 8; incarnation 1 resumes at ``resume`` with ``sources`` as its report."""
+    recs: list[dict[str, Any]] = [{"inc": 0, "kind": "start", "step": 0, "digests": _digests(0), "report": None}]
+    recs += [{"inc": 0, "kind": "step", "step": s, "samples": [f"s{s}"], "digests": _digests(s)} for s in range(1, 9)]
+    report = {"resume_step": resume, "sources": {u: {"level": "memory_local", "step": s} for u, s in sources.items()}}
+    digests = restored if restored is not None else _digests(resume, sources)
+    recs.append({"inc": 1, "kind": "start", "step": resume, "digests": digests, "report": report})
+    return recs
+
+
+SOURCES = {"dense/model.wte": 6, "dense/model.blocks.1.moe.router": 6, "expert/L0/E0": 6, "expert/L0/E1": 3}
+
+
+def test_restore_passes_when_every_unit_equals_its_source_step() -> None:
+    assert check_restore({0: _run(6, SOURCES)}) == []
+
+
+def test_restore_check_can_fail_a_wrong_source_step() -> None:
+    """The oracle compared against a wrong step once: the report claims step 3, the tensor is step 6's."""
+    recs = _run(6, SOURCES, restored=_digests(6))
+    failures = check_restore({0: recs})
+    assert len(failures) == 1 and "expert/L0/E1 (source step 3" in failures[0], failures
+
+
+def test_restore_check_fails_a_never_saved_unit_that_is_not_initial_or_has_state() -> None:
+    sources = {**SOURCES, "expert/L0/E1": -1}
+    assert check_restore({0: _run(6, sources)}, never_saved=True) == []
+    restored = _digests(6, {**sources, "expert/L0/E1": 0})
+    restored["optim/model.blocks.1.moe.experts.1.fc.weight/exp_avg"] = "zeros"  # state made up by the recovery
+    failures = check_restore({0: _run(6, sources, restored)}, never_saved=True)
+    assert len(failures) == 1 and "exp_avg" in failures[0] and "absent" in failures[0], failures
+    assert check_restore({0: _run(6, sources, restored)}) == [], "the other units are a separate check"
+    restored["param/model.blocks.1.moe.experts.1.fc.weight"] = "trained"
+    assert "differs" in check_restore({0: _run(6, sources, restored)}, never_saved=True)[0]
+
+
+def test_restore_check_fails_missing_units_steps_and_reports() -> None:
+    no_router = {k: v for k, v in SOURCES.items() if "router" not in k}
+    assert any("does not list" in f for f in check_restore({0: _run(6, no_router)}))
+    assert any("no earlier incarnation reached" in f
+               for f in check_restore({0: _run(6, {**SOURCES, "expert/L0/E1": 11})}))
+    recs = _run(6, SOURCES)
+    recs[-1]["report"] = None
+    assert "without a recovery report" in check_restore({0: recs})[0]
+    recs = _run(6, SOURCES)
+    recs[-1]["digests"]["lr/0"] = "lr@0"
+    assert any("lr/0" in f for f in check_restore({0: recs})), "the learning rate must be the resume step's"
+
+
+def test_restore_check_uses_the_newest_timeline_of_a_step() -> None:
+    recs = _run(6, SOURCES)
+    later = {s: {k: v + "'" for k, v in _digests(s).items()} for s in range(7, 10)}  # another timeline
+    recs += [{"inc": 1, "kind": "step", "step": s, "samples": [], "digests": d} for s, d in later.items()]
+    second = {u: 8 for u in SOURCES}
+    restored = later[8]
+    report = {"resume_step": 8, "sources": {u: {"level": "storage", "step": s} for u, s in second.items()}}
+    recs.append({"inc": 2, "kind": "start", "step": 8, "digests": restored, "report": report})
+    assert check_restore({0: recs}) == []
+    recs[-1]["digests"] = _digests(8)  # the step 8 of the timeline incarnation 1 abandoned
+    assert check_restore({0: recs})
+
+
+def test_restore_check_fails_a_fresh_restart_that_is_not_the_initial_state() -> None:
+    recs = _run(6, SOURCES)[:3]
+    recs.append({"inc": 1, "kind": "start", "step": 0, "digests": _digests(2), "report": None})
+    assert "fresh start differs" in check_restore({0: recs})[0]
+
+
+def test_data_check_finds_a_replay() -> None:
+    reference = {0: [{"kind": "step", "step": s, "samples": [f"s{s}"]} for s in range(1, 9)]}
+    good = [{"inc": 0, "kind": "step", "step": s, "samples": [f"s{s}"]} for s in range(1, 7)]
+    resumed = [{"inc": 1, "kind": "step", "step": s, "samples": [f"s{s}"]} for s in range(4, 9)]
+    assert check_data({0: good + resumed}, reference) == []
+    replayed = [{"inc": 1, "kind": "step", "step": s, "samples": [f"s{s - 3}"]} for s in range(4, 9)]
+    failures = check_data({0: good + replayed}, reference)
+    assert failures == ["rank 0 incarnation 1: step 4 trained on the samples of step 1 (a replay or skip) "
+                        "(and 4 more steps)"]
+
+
+def test_completion_and_hang_checks() -> None:
+    recs = {0: [{"inc": 1, "kind": "step", "step": 24}], 1: [{"inc": 1, "kind": "step", "step": 23}]}
+    ok = [{"inc": 0, "rc": 1, "hang": None}, {"inc": 1, "rc": 0, "hang": None}]
+    assert check_completes({0: recs[0]}, ok, 24, 1) == []
+    assert "rank 1" in check_completes(recs, ok, 24, 2)[0]
+    looped = [{"inc": i, "rc": 1, "hang": None, "tail": "boom"} for i in range(5)]
+    assert "no clean finish in 5" in check_completes(recs, looped, 24, 2)[0]
+    assert check_no_hang(ok) == []
+    assert check_no_hang([{"inc": 2, "rc": -9, "hang": "no exit within 180 s"}])
+
+
+# ------------------------------------------------------------------ faults
+def test_fault_plan_round_trips_and_rejects_unknown_fields() -> None:
+    plan = FaultPlan(2, None, "recovery", nth=3, incarnation=1)
+    assert FaultPlan.parse(plan.spec()) == plan
+    with pytest.raises(ValueError, match="unknown fields"):
+        FaultPlan.parse("rank=1,when=3")
+    with pytest.raises(ValueError, match="phase"):
+        FaultPlan.parse("rank=1,phase=sometime")
+
+
+def test_fault_fires_at_the_nth_occurrence_in_its_incarnation_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    kills: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
+    plan = FaultPlan(1, None, "train", nth=3, incarnation=2)
+    monkeypatch.setenv("MOC_INCARNATION", "1")
+    FaultInjector(plan, 1).at("train", 5)
+    monkeypatch.setenv("MOC_INCARNATION", "2")
+    assert FaultInjector(plan, 0).plan is None, "another rank"
+    injector = FaultInjector(plan, 1)
+    for step in range(1, 5):
+        injector.at("snapshot", step)
+        injector.at("train", step)
+        assert kills == ([signal.SIGKILL] if step >= 3 else [])
+
+
+def test_drawn_faults_are_seeded() -> None:
+    cfg = TrialConfig()
+    assert draw_faults(random.Random(5), cfg) == draw_faults(random.Random(5), cfg)
+    labels = {f.label for s in range(200) for f in draw_faults(random.Random(s), cfg)}
+    assert {"kill:train", "kill:snapshot", "kill:slot_commit", "kill:persist", "kill:manifest_commit",
+            "kill:recovery", "node_loss"} <= labels
+    assert any(label.startswith("damage:") for label in labels)
+
+
+def test_damage_flips_truncates_and_deletes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step_000000003"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(bytes(100))
+    (tmp_path / "manifest.json").write_text("{}")
+    rng = random.Random(0)
+    damage(tmp_path, "data", "flip", rng)
+    assert sum((ckpt / "__0_0.distcp").read_bytes()) > 0
+    damage(tmp_path, "manifest", "truncate", rng)
+    assert (tmp_path / "manifest.json").stat().st_size == 1
+    assert "does not exist" in damage(tmp_path, "moc_json", "delete", rng)
+    damage(tmp_path, "data", "delete", rng)
+    assert not (ckpt / "__0_0.distcp").exists()
+
+
+# ------------------------------------------------------------------ trials
+SEEDED_TRIALS = [1, 2, 7]
+"""Seeds whose drawn faults are: a kill inside a snapshot copy; a kill in training and a deleted
+``.metadata``; a kill inside a slot commit."""
+
+
+def _claim_a_wrong_step(records: dict[int, list[dict[str, Any]]]) -> str:
+    """Rewrite the first resume's report so that one unit claims another step it had different tensors at."""
+    recs = records[0]
+    start = next(r for r in recs if r["kind"] == "start" and r["step"] > 0)
+    prefixes = moe_prefixes(start["digests"])
+    steps = {r["step"]: r["digests"] for r in recs if r["kind"] == "step" and r["inc"] < start["inc"]}
+    for unit, source in start["report"]["sources"].items():
+        keys = [k for k in start["digests"] if unit_of(k, prefixes) == unit]
+        for step, digests in steps.items():
+            if step != source["step"] and keys and any(digests.get(k) != start["digests"][k] for k in keys):
+                source["step"] = step
+                return unit
+    raise AssertionError("no unit changed between the steps of the first incarnation")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDED_TRIALS)
+def test_seeded_trial(seed: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One randomized trial must pass every check; on its real records the oracle must also catch a report
+    that claims a wrong step (so a pass is not a check that cannot fail)."""
+    root = tmp_path_factory.getbasetemp() / "chaos"
+    cfg = TrialConfig()
+    result = run_trial(seed, root, cfg, reference_records(root, cfg), keep=True)
+    records = {r: read_records(root / f"trial-{seed}" / "oracle" / f"rank{r}.jsonl") for r in range(4)}
+    if any(r["kind"] == "start" and r["step"] > 0 for r in records[0]):
+        tampered = copy.deepcopy(records)
+        unit = _claim_a_wrong_step(tampered)
+        assert any(unit in f for f in check_restore(tampered)), f"a wrong source step of {unit} went unnoticed"
+    failed = {check: details[:3] for check, details in result.failures.items() if details}
+    assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {failed}"
