@@ -10,16 +10,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning_run import MODEL, fit, moc_config
 from storage_faults import small_filesystem
 
-from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.config import CheckpointConfig, StorageConfig
-from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import build_layout
-from moc_lightning.models import GPTMoEConfig
-from moc_lightning.models.lightning import GPTMoEModule
-
-MODEL = GPTMoEConfig(block_size=32)
 
 
 class StepTimer(L.Callback):
@@ -55,40 +49,16 @@ class StateCapture(L.Callback):
         self.end = self._capture(trainer, module)
 
 
-def _fit(tmp_path: Path, config: CheckpointConfig, max_steps: int, extra: list[L.Callback]) -> MoCCheckpoint:
-    moc = MoCCheckpoint(config)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path / "run"),
-        callbacks=[moc, *extra],
-    )
-    module = GPTMoEModule(MODEL, seed=0)
-    data = LMDataModule(DataConfig(batch_size=8), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
-    trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target())
-    return moc
-
-
-def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
-    return CheckpointConfig(
-        storage=StorageConfig(url=(tmp_path / "ckpt").as_uri()), shm_root=str(tmp_path / "shm"), **kw
-    )
-
 
 def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> None:
     """Every step's snapshot is committed and accounted; how long they stall is the benchmark's business
     (``recipes/bench.py``), not a unit test's on a shared machine."""
     timer = StepTimer()
-    config = _config(
+    config = moc_config(
         tmp_path, every_n_train_steps=1, persist_every_n_snapshots=10, persist_on_fit_end=False,
         remove_snapshots_on_fit_end=False,
     )
-    moc = _fit(tmp_path, config, 40, [timer])
+    moc = fit(tmp_path, config, 40, [timer])
     stats = moc.engine.stats
     mean_stall = sum(stats.stall_seconds) / len(stats.stall_seconds)
     print(f"mean stall {mean_stall * 1e3:.3f} ms per snapshot, mean step {timer.mean_step * 1e3:.2f} ms")
@@ -101,13 +71,13 @@ def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> Non
 
 
 def test_resume_restores_weights_optimizer_scheduler_and_step(tmp_path: Path) -> None:
-    config = _config(
+    config = moc_config(
         tmp_path, k_snapshot=8, k_persist=8, every_n_train_steps=5, persist_every_n_snapshots=2,
         remove_snapshots_on_fit_end=False,  # a planned restart: resume from memory
     )
     first, resumed = StateCapture(), StateCapture()
-    _fit(tmp_path, config, 10, [first])
-    moc = _fit(tmp_path, config, 20, [resumed])
+    fit(tmp_path, config, 10, [first])
+    moc = fit(tmp_path, config, 20, [resumed])
     assert moc.recovery.resume_step == 10 and resumed.start["step"] == 10 and resumed.end["step"] == 20
     assert {s["level"] for s in moc.recovery.sources.values()} == {"memory_local"}
     assert resumed.start["lr"] == first.end["lr"], "the LR scheduler continues where it stopped"
@@ -117,17 +87,17 @@ def test_resume_restores_weights_optimizer_scheduler_and_step(tmp_path: Path) ->
 
 
 def test_missing_shm_root_fails_before_training(tmp_path: Path) -> None:
-    config = _config(tmp_path)
+    config = moc_config(tmp_path)
     config.shm_root = str(tmp_path / "no" / "such" / "dir")
     with pytest.raises(ValueError, match=r"checkpoint.shm_root=.* cannot be created: .* does not exist"):
-        _fit(tmp_path, config, 2, [])
+        fit(tmp_path, config, 2, [])
 
 
 def test_too_small_shm_root_says_how_much_is_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1_000_000))
     with pytest.raises(ValueError, match=r"has 1.0 MB free, but the snapshot slots need about .* MB \(3 slots"):
-        _fit(tmp_path, _config(tmp_path), 2, [])
+        fit(tmp_path, moc_config(tmp_path), 2, [])
 
 
 def test_shared_memory_too_small_for_the_optimizer_state_fails_with_the_option(tmp_path: Path) -> None:
@@ -136,10 +106,10 @@ def test_shared_memory_too_small_for_the_optimizer_state_fails_with_the_option(t
     training (not SIGBUS in the middle of a copy, nor a refusal only once the state exists)."""
     try:
         with small_filesystem(tmp_path / "tmpfs", "6m") as tmpfs:  # weights: 3 x 1.3 MB; with AdamW: 3 x 3.8 MB
-            config = _config(tmp_path, every_n_train_steps=5)
+            config = moc_config(tmp_path, every_n_train_steps=5)
             config.shm_root = str(tmpfs / "moc")
             with pytest.raises(ValueError, match=r"checkpoint.shm_root=.*\(3 slots x 1 ranks x 3.8 MB"):
-                _fit(tmp_path, config, 10, [])
+                fit(tmp_path, config, 10, [])
     except PermissionError as err:
         pytest.skip(f"no small tmpfs to fill: {err}")
 
@@ -147,20 +117,20 @@ def test_shared_memory_too_small_for_the_optimizer_state_fails_with_the_option(t
 @pytest.mark.parametrize("max_steps", [12, 10])  # the last step between snapshots, and a snapshot step
 def test_finished_run_leaves_a_complete_checkpoint_of_its_last_step(tmp_path: Path, max_steps: int) -> None:
     end = StateCapture()
-    moc = _fit(tmp_path, _config(tmp_path, every_n_train_steps=5, persist_every_n_snapshots=1), max_steps, [end])
+    moc = fit(tmp_path, moc_config(tmp_path, every_n_train_steps=5, persist_every_n_snapshots=1), max_steps, [end])
     newest = moc.engine.pec.read_manifest().latest
     layout = moc.engine.pec.layout
     assert newest.step == max_steps and set(newest.units) == {u.key for u in layout.units}
 
     fresh = StateCapture()
-    resumed = _fit(tmp_path / "again", _config(tmp_path, every_n_train_steps=5), max_steps + 2, [fresh])
+    resumed = fit(tmp_path / "again", moc_config(tmp_path, every_n_train_steps=5), max_steps + 2, [fresh])
     assert resumed.recovery.resume_step == max_steps and fresh.start["step"] == max_steps
     for key, tensor in fresh.start["tensors"].items():
         assert torch.equal(tensor, end.end["tensors"][key]), f"{key} is not the finished run's"
 
 
 def test_without_persist_on_fit_end_the_last_checkpoint_stays_partial(tmp_path: Path) -> None:
-    config = _config(tmp_path, every_n_train_steps=5, persist_every_n_snapshots=1, persist_on_fit_end=False)
-    moc = _fit(tmp_path, config, 10, [])
+    config = moc_config(tmp_path, every_n_train_steps=5, persist_every_n_snapshots=1, persist_on_fit_end=False)
+    moc = fit(tmp_path, config, 10, [])
     newest = moc.engine.pec.read_manifest().latest
     assert newest.step == 10 and len([u for u in newest.units if u.startswith("expert/")]) == 2  # k_persist x 2 layers

@@ -26,8 +26,8 @@ EVERY, PERSIST_EVERY = 5, 2  # snapshots at 5, 10, 15, ...; persists at 5, 15, 2
 pytestmark = pytest.mark.slow
 
 
-def run_drill(out: Path, fault: str, max_steps: int = 30) -> list[dict]:
-    """Run the 4-rank job with the fault; return each rank's recovery report."""
+def launch_drill(out: Path, fault: str, max_steps: int = 30) -> subprocess.CompletedProcess[str]:
+    """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
@@ -36,6 +36,12 @@ def run_drill(out: Path, fault: str, max_steps: int = 30) -> list[dict]:
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def run_drill(out: Path, fault: str, max_steps: int = 30) -> list[dict]:
+    """Run the 4-rank job with the fault; return each rank's recovery report."""
+    launch_drill(out, fault, max_steps)
     return [json.loads((out / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -115,6 +121,22 @@ def test_crash_in_the_middle_of_a_snapshot_uses_the_previous_one(tmp_path: Path)
     assert all(s["step"] <= 15 for r in reports for s in r["sources"].values())
     check_bitwise(tmp_path, reports)
     assert reports[1]["plt"] == pytest.approx(plt_by_hand(tmp_path, 15, _steps(reports[1])), rel=1e-9)
+
+
+def test_a_torn_first_snapshot_takes_every_rank_down_the_same_path(tmp_path: Path) -> None:
+    """Rank 1 dies copying the first snapshot (step 5): its units of step 5 exist nowhere, nothing is persisted.
+
+    On 7dbc115 the ranks that had a slot restored and rank 1 started fresh: the job hung (the drill
+    ``recipes/fault_drill.py scenario=crash_in_snapshot step=5``). Now all ranks decide together: no
+    consistent state survives, so all start over from step 0, say so, and finish.
+    """
+    proc = launch_drill(tmp_path, "rank=1,step=5,phase=snapshot")
+    reports = list((tmp_path / "run" / "moc_recovery").glob("rank*.json"))
+    assert reports == [], "no rank may claim a recovery: step 5 is incomplete in memory and absent in storage"
+    assert "nothing to resume (no consistent state of this run survives" in proc.stdout + proc.stderr
+    manifest = Manifest.from_json((tmp_path / "ckpt" / "manifest.json").read_bytes())
+    assert manifest.latest is not None and manifest.latest.step == 30, "the restarted job ran to its end"
+    assert [s.start_step for s in manifest.lineage.segments] == [0, 0], "one restart, from step 0"
 
 
 def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tmp_path: Path) -> None:

@@ -15,24 +15,20 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning_run import MODEL, fit, moc_config
 from storage_faults import flip_middle_byte
 from trainee import TINY, Trainee, every_step_config
 
 from moc_lightning.callback import MoCCheckpoint, check_shm_root
 from moc_lightning.checkpointer import PECCheckpointer, PersistFailed
-from moc_lightning.config import CheckpointConfig, StorageConfig
-from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.config import CheckpointConfig
 from moc_lightning.layout import build_layout
 from moc_lightning.lineage import Lineage, Segment, fingerprint
 from moc_lightning.manifest import Manifest
-from moc_lightning.models import ExpertParallelTopology, GPTMoEConfig
-from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.snapshot import NUM_SLOTS
 from moc_lightning.start import SET_ASIDE
 from moc_lightning.storage import make_storage
-
-MODEL = GPTMoEConfig(block_size=32)
-
 
 class Crash(Exception):
     """A stand-in for a killed process: fit ends by an exception, and nothing cleans up after it."""
@@ -59,37 +55,20 @@ class Recorder(L.Callback):
         if trainer.global_step in self.at:
             self.states[trainer.global_step] = self._tensors(trainer, module)
         if trainer.global_step == self.crash_after:
+            self.moc = next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint))
+            self.moc.engine.finish()  # let the background persist end, as a killed process's would not matter
             raise Crash(f"killed after step {trainer.global_step}")
 
 
 def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
-    defaults = {"every_n_train_steps": 5, "persist_every_n_snapshots": 2}
-    return CheckpointConfig(
-        storage=StorageConfig(url=(tmp_path / "ckpt").as_uri()), shm_root=str(tmp_path / "shm"), **{**defaults, **kw}
-    )
+    return moc_config(tmp_path, **{"every_n_train_steps": 5, "persist_every_n_snapshots": 2, **kw})
 
 
 def _fit(tmp_path: Path, config: CheckpointConfig, max_steps: int, recorder: Recorder, **trainer_kw: Any) -> MoCCheckpoint:
-    moc = MoCCheckpoint(config)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path / "run"),
-        callbacks=[moc, recorder],
-        **trainer_kw,
-    )
-    module = GPTMoEModule(MODEL, seed=0)
-    data = LMDataModule(DataConfig(batch_size=8), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target())
+        return fit(tmp_path, config, max_steps, [recorder], **trainer_kw)
     except Crash:
-        moc.engine.finish()  # let the background persist end, as a killed process's would not matter
-    return moc
+        return recorder.moc
 
 
 def _slots(tmp_path: Path) -> list[Path]:

@@ -66,3 +66,77 @@ def test_reserve_allocates_every_slot_once(tmp_path: Path) -> None:
     assert all(store._mappings[slot] is mapping for slot, mapping in mapped.items())
     store.write(0, 4, (), {"big": torch.zeros(2048)}, {})  # 8 KiB: the slot grows, and still commits
     assert len(store._mappings[0]) >= 8192 and [m.step for m in store.committed()] == [2, 3, 4]
+
+
+class FakeCudart:
+    """Stands in for ``torch.cuda.cudart()``: records each call with the device current at the time."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.code = code
+        self.current: int | None = None
+        self.calls: list[tuple[str, int | None]] = []
+
+    def __getattr__(self, name: str) -> object:
+        if not name.startswith("cudaHost"):
+            raise AttributeError(name)
+
+        def call(*args: int) -> int:
+            self.calls.append((name, self.current))
+            return self.code
+
+        return call
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    fake = FakeCudart()
+
+    class device:  # torch.cuda.device, without a CUDA build
+        def __init__(self, which: torch.device) -> None:
+            self.index = which.index
+
+        def __enter__(self) -> None:
+            fake.current = self.index
+
+        def __exit__(self, *args: object) -> None:
+            fake.current = None
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return fake
+
+
+@pytest.mark.parametrize("pin_device", [None, torch.device("cpu")])
+def test_cpu_training_pins_nothing(tmp_path: Path, cudart: FakeCudart, pin_device: torch.device | None) -> None:
+    store = SnapshotStore(tmp_path, pin_device=pin_device)
+    store.reserve(4096)
+    store.write(0, 1, (), _tensors(), {})
+    store.remove()
+    assert cudart.calls == []
+
+
+def test_slots_are_pinned_on_the_ranks_device_and_unpinned_on_remove(tmp_path: Path, cudart: FakeCudart) -> None:
+    """7dbc115 pinned every slot from the copier thread, whose current device is 0, for every rank."""
+    store = SnapshotStore(tmp_path, pin_device=torch.device("cuda", 3))
+    store.reserve(4096)
+    assert cudart.calls == [("cudaHostRegister", 3)] * 3
+    store.remove()
+    assert cudart.calls[3:] == [("cudaHostUnregister", 3)] * 3
+
+
+def test_a_failed_pin_is_an_error_that_says_what_to_check(tmp_path: Path, cudart: FakeCudart) -> None:
+    cudart.code = 2  # cudaErrorMemoryAllocation: the locked-memory limit was reached
+    store = SnapshotStore(tmp_path, pin_device=torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister failed on cuda:0 with CUDA error 2 .*\(ulimit -l\)"):
+        store.reserve(4096)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: pins real slots with cudaHostRegister")
+def test_real_slots_pin_and_copy_from_the_device(tmp_path: Path) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = SnapshotStore(tmp_path, pin_device=device)
+    tensors = {k: v.to(device) for k, v in _tensors().items()}
+    store.write(0, 1, (), tensors, {})
+    loaded = store.read(store.committed()[0])
+    assert all(torch.equal(loaded[k], v.cpu()) for k, v in tensors.items())
+    store.remove()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 from storage_faults import FaultyStorage
-from test_callback import MODEL, _config, _fit
+from lightning_run import MODEL, fit, moc_config
 
 import moc_lightning.callback as callback_module
 from moc_lightning.checkpointer import LoadReport, PECCheckpointer
@@ -32,8 +32,8 @@ def test_failed_persists_are_counted_and_training_reaches_max_steps(
         return FaultyStorage(make_storage(backend, url), fail_writes={1: code, 2: code})
 
     monkeypatch.setattr(callback_module, "make_storage", failing_storage)
-    config = _config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=1, k_snapshot=8, k_persist=8)
-    moc = _fit(tmp_path, config, 24, [])
+    config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=1, k_snapshot=8, k_persist=8)
+    moc = fit(tmp_path, config, 24, [])
     stats = moc.engine.stats
     assert moc._trainer.global_step == 24
     # How many persists got as far as a write depends on timing (a slow one makes the next one skip),
@@ -78,8 +78,8 @@ def test_slow_storage_skips_persists_and_keeps_memory_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(callback_module, "make_storage", lambda b, u: SlowStorage(make_storage(b, u)))
-    config = _config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=1)
-    moc = _fit(tmp_path, config, 30, [])
+    config = moc_config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=1)
+    moc = fit(tmp_path, config, 30, [])
     stats = moc.engine.stats
     print(f"snapshots {stats.snapshots}, persists {stats.persists}, skipped {stats.skipped_persists}")
     assert stats.snapshots == 30 and stats.skipped_persists > 0

@@ -13,8 +13,7 @@ import lightning as L
 import pytest
 import torch
 from dist_utils import run_ranks
-from lightning.pytorch.strategies import DDPStrategy
-from test_callback import MODEL, _config
+from lightning_run import MODEL, cpu_trainer, moc_config
 from torch.utils.data import DataLoader
 
 from moc_lightning.callback import MoCCheckpoint
@@ -62,35 +61,20 @@ class PlainLoaderData(LMDataModule):
         return DataLoader(self.train, batch_size=self.cfg.batch_size, shuffle=True, drop_last=True)
 
 
-def _trainer(root: Path, max_steps: int, callbacks: list[L.Callback], devices: int = 1) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=DDPStrategy(process_group_backend="gloo") if devices > 1 else "auto",
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(root),
-        callbacks=callbacks,
-    )
-
-
 def _data(cls: type[LMDataModule] = LMDataModule, batch_size: int = 8) -> LMDataModule:
     return cls(DataConfig(batch_size=batch_size), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
 
 
 def test_module_callback_and_datamodule_additions_come_back(tmp_path: Path) -> None:
-    config = _config(
+    config = moc_config(
         tmp_path, every_n_train_steps=5, persist_every_n_snapshots=100, persist_on_fit_end=False,
         remove_snapshots_on_fit_end=False,  # a planned restart: the state of step 10 lives only in memory
     )
     moc = MoCCheckpoint(config)
-    _trainer(tmp_path / "run", 10, [moc, HookedCallback()]).fit(HookedModule(MODEL), datamodule=_data(StatefulData))
+    cpu_trainer(tmp_path / "run", 10, [moc, HookedCallback()]).fit(HookedModule(MODEL), datamodule=_data(StatefulData))
 
     moc, callback, module, data = MoCCheckpoint(config), HookedCallback(), HookedModule(MODEL), _data(StatefulData)
-    _trainer(tmp_path / "run", 12, [moc, callback]).fit(module, datamodule=data, ckpt_path=moc.resume_target())
+    cpu_trainer(tmp_path / "run", 12, [moc, callback]).fit(module, datamodule=data, ckpt_path=moc.resume_target())
     assert moc.recovery.resume_step == 10
     assert module.loaded == {"saved_at": 10}
     assert callback.loaded == 10
@@ -98,10 +82,10 @@ def test_module_callback_and_datamodule_additions_come_back(tmp_path: Path) -> N
 
 
 def test_a_plain_train_loader_gets_one_warning_saying_what_a_resume_does(tmp_path: Path) -> None:
-    config = _config(tmp_path, every_n_train_steps=1, persist_on_fit_end=False)
+    config = moc_config(tmp_path, every_n_train_steps=1, persist_on_fit_end=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = _trainer(tmp_path / "run", 3, [MoCCheckpoint(config)])
+        trainer = cpu_trainer(tmp_path / "run", 3, [MoCCheckpoint(config)])
         trainer.fit(GPTMoEModule(MODEL), datamodule=_data(PlainLoaderData))
     ours = [str(w.message) for w in caught if "moc_lightning" in str(w.message)]
     assert len(ours) == 1, ours
@@ -132,7 +116,7 @@ def _fit_recorded(rank: int, root: Path, name: str, max_steps: int) -> SampleRec
     config = CheckpointConfig(every_n_train_steps=3, persist_every_n_snapshots=100, shm_root=str(root / "shm"))
     config.storage.url = (root / name).as_uri()
     moc, recorder = MoCCheckpoint(config), SampleRecorder()
-    trainer = _trainer(root / name / "run", max_steps, [RankSeed(), moc, recorder], devices=2)
+    trainer = cpu_trainer(root / name / "run", max_steps, [RankSeed(), moc, recorder], devices=2)
     trainer.fit(GPTMoEModule(MODEL, seed=0), datamodule=_data(batch_size=4), ckpt_path=moc.resume_target())
     return recorder
 
