@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from moc_lightning.manifest import Manifest, ManifestError
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts" / "slurm"
 PARTITION = "debug"
@@ -247,6 +249,14 @@ def test_train_recipe_through_hydra_submitit_launcher(
         assert (run_dir / "checkpoints" / record["name"] / ".metadata").is_file()
 
 
+def _persisted(manifest: Path) -> bool:
+    """Whether the manifest lists a checkpoint (a run commits an empty one, its lineage, when it starts)."""
+    try:
+        return bool(manifest.exists() and Manifest.from_json(manifest.read_bytes()).records)
+    except (OSError, ManifestError):
+        return False
+
+
 def test_requeued_job_resumes_from_the_moc_checkpoint(slurm_cluster: None, tmp_path: Path) -> None:
     """Requeue a running training job: SLURM kills and reruns it, and the rerun resumes instead of restarting."""
     sweep_dir = tmp_path / "sweep"
@@ -262,9 +272,9 @@ def test_requeued_job_resumes_from_the_moc_checkpoint(slurm_cluster: None, tmp_p
     try:
         manifest = run_dir / "checkpoints" / "manifest.json"
         deadline = time.monotonic() + 180
-        while not manifest.exists() and time.monotonic() < deadline and launcher.poll() is None:
+        while not _persisted(manifest) and time.monotonic() < deadline and launcher.poll() is None:
             time.sleep(0.5)
-        assert manifest.exists(), f"no persist before the requeue:\n{_job_logs(sweep_dir)}"
+        assert _persisted(manifest), f"no persist before the requeue:\n{_job_logs(sweep_dir)}"
         job_id = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir())
         _run(["scontrol", "requeue", job_id])
         output, _ = launcher.communicate(timeout=300)
