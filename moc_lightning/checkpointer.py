@@ -353,9 +353,7 @@ class PECCheckpointer:
                 self._check_lineage(self.read_manifest(), name)
             except (Exception, CheckpointException) as err:
                 failure = _Failure.of("lineage", err, self._rank)
-        failures = self._failures(failure)
-        if failures:
-            raise PersistFailed(name, failures) from (failure.error if failure is not None else None)
+        self._agree_on_persist(name, failure, discard=False)  # nothing was written: nothing to remove
 
     def _check_lineage(self, current: Manifest, name: str) -> None:
         """Raise :class:`LineageError` unless the committed manifest ``current`` is of this run's lineage."""
@@ -366,19 +364,20 @@ class PECCheckpointer:
                 f"checkpoint {name} is not committed (did another run start at the same storage URL?)"
             )
 
-    def _agree_on_persist(self, name: str, failure: _Failure | None) -> None:
+    def _agree_on_persist(self, name: str, failure: _Failure | None, discard: bool = True) -> None:
         """Share this rank's outcome of a persist phase; if any rank failed, every rank raises :class:`PersistFailed`.
 
-        Runs on every rank whatever happened (the collective that keeps the persist group in step). Before
-        anyone raises, the coordinator removes the failed attempt's directory (a retry at the same step then
-        starts from an empty location, and a full disk gets its space back).
+        Runs on every rank whatever happened (the collective that keeps the persist group in step). With
+        ``discard``, before anyone raises, the coordinator removes the failed attempt's directory (a retry at
+        the same step then starts from an empty location, and a full disk gets its space back).
         """
         failures = self._failures(failure)
         if not failures:
             return
-        if self._is_coordinator:
-            self._discard_attempt(name)
-        self._barrier()  # the directory is gone before any rank can start a retry that writes to it
+        if discard:
+            if self._is_coordinator:
+                self._discard_attempt(name)
+            self._barrier()  # the directory is gone before any rank can start a retry that writes to it
         raise PersistFailed(name, failures) from (failure.error if failure is not None else None)
 
     def _failures(self, failure: _Failure | None) -> dict[int, str]:
