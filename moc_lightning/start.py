@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from moc_lightning.agreement import from_coordinator
-from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
+from moc_lightning.checkpointer import MANIFEST, PREVIOUS_MANIFEST, PECCheckpointer
 from moc_lightning.lineage import Lineage
 from moc_lightning.manifest import Manifest, ManifestError
 from moc_lightning.storage.location import local_path
@@ -39,7 +39,9 @@ def begin_lineage(pec: PECCheckpointer, fingerprint: str, reason: str) -> Lineag
     def begin() -> Lineage:
         lineage = Lineage.start(fingerprint)
         moved = _set_aside(pec, lineage)
-        pec.storage.put(MANIFEST, Manifest(lineage=lineage).to_json())
+        begun = Manifest(lineage=lineage).to_json()
+        pec.storage.put(PREVIOUS_MANIFEST, begun)  # the fallback if this one is damaged before a persist lands
+        pec.storage.put(MANIFEST, begun)
         if moved is not None:
             print(f"[moc_lightning] {reason}: the checkpoints found at {pec.storage.url} were moved aside to "
                   f"{moved}; new lineage {lineage.run_id}")

@@ -64,9 +64,12 @@ def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
     return moc_config(tmp_path, **{"every_n_train_steps": 5, "persist_every_n_snapshots": 2, **kw})
 
 
-def _fit(tmp_path: Path, config: CheckpointConfig, max_steps: int, recorder: Recorder, **trainer_kw: Any) -> MoCCheckpoint:
+def _fit(
+    tmp_path: Path, config: CheckpointConfig, max_steps: int, recorder: Recorder,
+    extra_callbacks: tuple[L.Callback, ...] | list[L.Callback] = (), **trainer_kw: Any,
+) -> MoCCheckpoint:
     try:
-        return fit(tmp_path, config, max_steps, [recorder], **trainer_kw)
+        return fit(tmp_path, config, max_steps, [recorder, *extra_callbacks], **trainer_kw)
     except Crash:
         return recorder.moc
 
@@ -143,6 +146,44 @@ def test_unrecoverable_state_starts_over_instead_of_crash_looping(tmp_path: Path
     later = Recorder()
     _fit(tmp_path, _config(tmp_path), 10, later)
     assert later.start_step == 8, "the next restart resumes the restarted lineage"
+
+
+class FailFirstCommit(L.Callback):
+    """Makes the run's first persist fail in its commit, before anything is written (a rank killed there)."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        pec = next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.pec
+        failed: list[str] = []
+
+        def hook(point: str) -> None:
+            if not failed:
+                failed.append(point)
+                raise OSError(f"injected at {point}")
+
+        pec.fault_hook = hook
+
+
+def test_a_damaged_manifest_before_the_first_persist_falls_back_to_the_lineage_it_began(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest a run commits at start (its lineage, no checkpoint) is damaged before any persist lands.
+
+    Failed on 27a8ec5 (chaos seed 1146): no ``manifest.previous.json`` existed to fall back to, so every
+    restart raised "unreadable and no previous manifest" and the job crash-looped.
+    """
+    first = Recorder(at=(5,), crash_after=7)
+    _fit(tmp_path, _config(tmp_path, persist_every_n_snapshots=10), 30, first, extra_callbacks=[FailFirstCommit()])
+    manifest = tmp_path / "ckpt" / "manifest.json"
+    begun = Manifest.from_json(manifest.read_bytes())
+    assert not begun.records, "no persist was committed"
+    lineage = begun.lineage
+    manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
+    resumed = Recorder()
+    moc = _fit(tmp_path, _config(tmp_path), 10, resumed)
+    assert "manifest.json is unreadable" in capsys.readouterr().out
+    assert moc.recovery.resume_step == 5 and resumed.start_step == 5, "the snapshot of its own lineage"
+    _check_sources(first, resumed, moc.recovery.sources)
+    assert moc.engine.pec.read_manifest().lineage.run_id == lineage.run_id
 
 
 def test_a_failed_attempt_leaves_no_bytes_behind(tmp_path: Path) -> None:

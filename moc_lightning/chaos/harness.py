@@ -324,15 +324,20 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
     }
 
 
+def _width(check: str) -> int:
+    """A column of the table: wide enough for its check's name and for "NNN fail/NNN", with two spaces."""
+    return max(len(check), 12) + 2
+
+
 def summary_table(summary: Mapping[str, Any]) -> str:
     """The counts as a small text table: one row per check, then one per fault kind."""
     checks = list(summary["checks"])
     lines = [f"{summary['passed']}/{summary['trials']} trials passed, {summary['injections']} injections "
              f"(drawn but not fired: {summary['not_fired'] or 'none'})",
-             f"{'':28}" + "".join(f"{c:>14}" for c in checks)]
+             f"{'':28}" + "".join(f"{c:>{_width(c)}}" for c in checks)]
 
     def row(name: str, counts: Mapping[str, Mapping[str, int]]) -> str:
-        cells = "".join(f"{counts.get(c, {}).get('fail', 0):>6} fail/{sum(counts.get(c, {}).values()):<3}"
+        cells = "".join(f"{counts.get(c, {}).get('fail', 0)} fail/{sum(counts.get(c, {}).values())}".rjust(_width(c))
                         for c in checks)
         return f"{name:28}{cells}"
 
