@@ -419,6 +419,7 @@ class MoCMethod(Method):
             storage=StorageConfig(url=(root / "ckpt").as_uri()),
             shm_root=str(shm_root),
             persist_on_fit_end=False,  # like the other methods: periodic checkpoints only, no save_last
+            complete_first_persist=False,  # PEC's steady state (eq. 6); the one complete persist is in the README
         )
         self.checkpoint = MoCCheckpoint(copy.deepcopy(self.config))
         self.notes = f"k_snapshot={k[0]}, k_persist={k[1]}"

@@ -9,7 +9,8 @@ Add it to a Trainer and resume through Lightning's usual door::
 Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (host tensors are copied
 there and then; GPU tensors on a side stream while the next forward/backward runs) and a background thread
 commits it; the next optimizer step waits only for what is not done. Every ``persist_every_n_snapshots``
-snapshots one is persisted to storage in the background, and when ``fit`` ends every unit is persisted.
+snapshots one is persisted to storage in the background (a lineage's first one with every unit, see
+``complete_first_persist``), and when ``fit`` ends every unit is persisted.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from
 surviving snapshots (this rank's or a peer's) or storage, and the rest of the training state from what this
 rank captured with the resume step (:mod:`moc_lightning.trainer_state`: loops and the train loader's
@@ -354,8 +355,9 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Pa
 
     Every rank of the node keeps ``NUM_SLOTS`` slots there, each sized by
     :meth:`PECCheckpointer.snapshot_share_bytes` (with the optimizer state a step creates, when the
-    optimizer has none yet). Slots this run already has on the node (``node_root``, every local rank's,
-    from before a restart) are reused, so they count as free: a restart of a job that fitted fits.
+    optimizer has none yet), one of them for every expert with ``complete_first_persist`` (the slot of the
+    complete first snapshot keeps its size). Slots this run already has on the node (``node_root``, every
+    local rank's, from before a restart) are reused, so they count as free: a restart of a job that fitted fits.
     """
     root = Path(config.shm_root)
     if not root.parent.is_dir():
@@ -364,14 +366,18 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Pa
             "point it at a node-local tmpfs such as /dev/shm/moc_lightning"
         )
     per_slot = pec.snapshot_share_bytes(with_optimizer_state=True)
+    complete = config.complete_first_persist
+    first_slot = pec.snapshot_share_bytes(with_optimizer_state=True, complete=True) if complete else per_slot
     local_ranks = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    needed = int(NUM_SLOTS * per_slot * local_ranks)
+    needed = int(((NUM_SLOTS - 1) * per_slot + first_slot) * local_ranks)
     free = shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(node_root)
     if free < needed:
+        first = f", one of them {first_slot / 1e6:.1f} MB for the complete first snapshot" if complete else ""
         raise ValueError(
             f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the snapshot slots need "
             f"about {needed / 1e6:.1f} MB ({NUM_SLOTS} slots x {local_ranks} ranks x {per_slot / 1e6:.1f} MB at "
-            f"k_snapshot={pec.dynamic_k.k_snapshot}); use a larger tmpfs or a smaller checkpoint.k_snapshot"
+            f"k_snapshot={pec.dynamic_k.k_snapshot}{first}); use a larger tmpfs, a smaller checkpoint.k_snapshot"
+            + (", or checkpoint.complete_first_persist=false" if complete else "")
         )
 
 

@@ -40,7 +40,7 @@ from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
 from moc_lightning.sealed import SealError, seal, unseal
-from moc_lightning.selection import Selection, UnsavedTokens, make_policy
+from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.size_model import SizeModel, size_model
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, find_cause
@@ -171,6 +171,8 @@ class PECCheckpointer:
         self._k_choice_said: str | None = None
         self.stored_base: dict[str, int] = {}
         """Unit key -> step of its newest stored version when this process started (or recovered)."""
+        self._every_unit_stored = False
+        """Whether every unit is known to have a stored version in this lineage (see :meth:`_completes`)."""
         self.fault_hook = fault_hook
         self._reached = ""
         """The last commit point the coordinator's commit reached (named in a failure)."""
@@ -241,9 +243,12 @@ class PECCheckpointer:
     def select(self, index: int, persist: bool, persisted: Sequence[SaveReport] | None = None) -> Selection:
         """The experts checkpoint number ``index`` snapshots (and persists, if ``persist``); advances the policy.
 
-        ``load_aware`` needs the step each expert is stored at. With ``persisted`` (the persists every rank
-        has seen succeed, in order) it is taken from :attr:`stored_base` plus those, the same on every rank;
-        without it, from the manifest (safe only when no persist can be committing, as in :meth:`checkpoint`).
+        ``load_aware`` and a complete first persist need the step each expert is stored at. With ``persisted`` (the
+        persists every rank has seen succeed, in order) it is taken from :attr:`stored_base` plus those, the
+        same on every rank; without it, from the manifest (safe only when no persist can be committing, as in
+        :meth:`checkpoint`). A complete persist (every expert) still asks the policy, so that the rotation
+        goes on from where it would have been: the schedule after it is exactly PEC's, with PEC's coverage
+        bound, whether or not the first persist was complete or had to be retried.
         """
         unsaved = None
         if self.cfg.selection == "load_aware":
@@ -254,9 +259,34 @@ class PECCheckpointer:
             ]
             since = self.ledger.tokens_since(steps)
             unsaved = UnsavedTokens(snapshot=since, persist=since)
-        return self.policy.select(
+        selection = self.policy.select(
             index, self.dynamic_k.k_snapshot, self.dynamic_k.k_persist, persist=persist, unsaved=unsaved
         )
+        return every_expert(self.layout.num_experts) if persist and self._completes(persisted) else selection
+
+    def needs_stored_steps(self, persist: bool) -> bool:
+        """Whether :meth:`select` reads where units are stored: then it must be given the agreed persists
+        while one may be committing (the manifest can be mid-commit on the coordinator)."""
+        return self.cfg.selection == "load_aware" or (persist and self._may_lack_a_unit())
+
+    def _completes(self, persisted: Sequence[SaveReport] | None = None) -> bool:
+        """Whether a persist now must take every unit (``complete_first_persist``): some unit of the model has
+        no stored version yet in this lineage (``persisted`` as in :meth:`select`)."""
+        if not self._may_lack_a_unit():
+            return False
+        stored = self._stored_steps(persisted)
+        self._every_unit_stored = all(unit.key in stored for unit in self._all_units())
+        return not self._every_unit_stored
+
+    def _may_lack_a_unit(self) -> bool:
+        """False once every unit is known to be stored: retention never removes a unit's only version, so
+        it stays so, and the stored view need not be read again."""
+        return self.cfg.complete_first_persist and not self._every_unit_stored
+
+    def base_on(self, manifest: Manifest) -> None:
+        """Take ``manifest`` (the same on every rank) as what storage holds when training (re)starts."""
+        self.stored_base = stored_steps(manifest)
+        self._every_unit_stored = False
 
     def _stored_steps(self, persisted: Sequence[SaveReport] | None) -> dict[str, int]:
         if persisted is None:
@@ -541,8 +571,9 @@ class PECCheckpointer:
         """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it."""
         return self.layout.unit_bytes(self.local_twin(unit)).total
 
-    def snapshot_share_bytes(self, with_optimizer_state: bool = False) -> int:
-        """What one rank's snapshot slot should hold at the current ``k_snapshot``.
+    def snapshot_share_bytes(self, with_optimizer_state: bool = False, complete: bool = False) -> int:
+        """What one rank's snapshot slot should hold at the current ``k_snapshot`` (``complete``: with every
+        expert, as the snapshot of a complete first persist).
 
         Snapshot ownership spreads the dense units and ``k_snapshot`` experts per MoE layer over the ranks
         in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance.
@@ -557,7 +588,8 @@ class PECCheckpointer:
 
         dense = [nbytes(u) for u in self.layout.dense_units]
         experts = [nbytes(ExpertUnit(layer, 0)) for layer in range(len(self.layout.num_experts))]
-        total = sum(dense) + self.dynamic_k.k_snapshot * sum(experts)
+        per_layer = self.layout.num_experts if complete else [self.dynamic_k.k_snapshot] * len(experts)
+        total = sum(dense) + sum(k * nbytes for k, nbytes in zip(per_layer, experts))
         return -(-total // self.topology.world_size) + max(dense + experts, default=0)
 
     # ------------------------------------------------------------------- load

@@ -67,6 +67,12 @@ class CheckpointConfig:
     """Snapshot interval in optimizer steps."""
     persist_every_n_snapshots: int = 2
     """Persist every this many snapshots."""
+    complete_first_persist: bool = True
+    """The first persist of a lineage, and the snapshot it is taken from, save every unit (eq. 5 bytes); later
+    ones are PEC's. Without it, experts PEC has not reached yet have no stored version, and a recovery from
+    storage returns them to their initial weights with no optimizer state. A persist is complete while some
+    unit has no stored version in the lineage, so a failed first persist is retried complete and a resume
+    whose first persist landed does not redo it. ``false``: every persist is PEC's (the paper's schedule)."""
     selection: str = "sequential"
     """Which experts a checkpoint takes: ``sequential`` (interleaved rotation) or ``load_aware``."""
     sharding: str = "adaptive"

@@ -23,6 +23,10 @@ snapshot that also persists, that holds for its persisted part; the rest is best
 (Dynamic-K), cursors step *back* to restore that spacing: a few experts are saved again, none is skipped.
 
 Load-aware selection saves the experts with the most tokens not yet saved at each level (ties rotate).
+
+A lineage's first persist takes every expert (:func:`every_expert`, ``checkpoint.complete_first_persist``);
+the engine asks the policy all the same, so the rotation advances as if that checkpoint had been a PEC one
+and the schedule from the second checkpoint on is plain PEC's (see :meth:`PECCheckpointer.select`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ class Selection:
 
     def persist_units(self) -> frozenset[ExpertUnit]:
         return _units(self.persist)
+
+
+def every_expert(num_experts: Sequence[int]) -> Selection:
+    """A checkpoint that snapshots and persists every expert of every MoE layer (a complete one, eq. 5)."""
+    every = tuple(tuple(range(n)) for n in num_experts)
+    return Selection(snapshot=every, persist=every)
 
 
 def _units(per_layer: Sequence[Sequence[int]]) -> frozenset[ExpertUnit]:

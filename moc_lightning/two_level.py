@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from moc_lightning.agreement import from_coordinator
 from moc_lightning.background import background_executor
-from moc_lightning.checkpointer import PECCheckpointer, PersistFailed, SaveReport, UnreadableCheckpoint, stored_steps
+from moc_lightning.checkpointer import PECCheckpointer, PersistFailed, SaveReport, UnreadableCheckpoint
 from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
 from moc_lightning.lineage import Lineage
@@ -204,7 +204,7 @@ class TwoLevelCheckpointer:
         persist = due and self._all_ranks_free_to_persist()
         if due and not persist:
             self.stats.skipped_persists += 1
-        selection = pec.select(index, persist, self._agreed_persists() if pec.cfg.selection == "load_aware" else None)
+        selection = pec.select(index, persist, self._agreed_persists() if pec.needs_stored_steps(persist) else None)
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
         owners = self._owners(units)
@@ -416,7 +416,7 @@ class TwoLevelCheckpointer:
             resumed = lineage.resumed_at(report.resume_step if report is not None else 0)
             self.pec.commit_lineage(manifest.with_lineage(resumed))
             self.lineage = resumed
-        self.pec.stored_base = stored_steps(manifest)
+        self.pec.base_on(manifest)
         return report
 
     def _rollback_point(self) -> dict[str, torch.Tensor]:

@@ -243,6 +243,7 @@ def checkpoint_config(config: Configuration, settings: StudySettings, work: Path
         shm_root=str(work / "shm"),
         dynamic_k=DynamicKConfig(enabled=config.dynamic_k),
         persist_on_fit_end=False,  # a segment's end stands for a fault here, not for a finished run
+        complete_first_persist=False,  # the paper's PEC from the first persist on: the cost this study measures
     )
 
 

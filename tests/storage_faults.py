@@ -14,6 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
+from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.storage import CheckpointStorage
 
 
@@ -149,3 +150,16 @@ def flip_byte_of(path: Path, needle: bytes, at: int = 0) -> None:
         raise ValueError(f"{needle!r} is not in {path}")
     data[where + at] ^= 0x01
     path.write_bytes(bytes(data))
+
+
+def fail_first_commit(pec: PECCheckpointer) -> None:
+    """Make ``pec``'s first persist fail at its first commit point, before anything is committed (a rank
+    killed there): the persist fails alike on every rank and the next one tries again."""
+    failed: list[str] = []
+
+    def hook(point: str) -> None:
+        if not failed:
+            failed.append(point)
+            raise OSError(f"injected at {point}")
+
+    pec.fault_hook = hook

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning_run import MODEL, fit, moc_config
+from lightning_run import FailFirstCommit, Recorder, check_sources, fit_or_crash, moc_config
 from storage_faults import flip_middle_byte
 from trainee import TINY, Trainee, every_step_config
 
@@ -30,48 +30,8 @@ from moc_lightning.snapshot import NUM_SLOTS
 from moc_lightning.start import SET_ASIDE
 from moc_lightning.storage import make_storage
 
-class Crash(Exception):
-    """A stand-in for a killed process: fit ends by an exception, and nothing cleans up after it."""
-
-
-class Recorder(L.Callback):
-    """The full state at the start of training and after chosen steps; optionally crash after a step."""
-
-    def __init__(self, at: tuple[int, ...] = (), crash_after: int | None = None) -> None:
-        self.at = set(at)
-        self.crash_after = crash_after
-        self.states: dict[int, dict[str, torch.Tensor]] = {}
-        self.start_step: int | None = None
-
-    def _tensors(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
-        layout = build_layout(module, trainer.optimizers[0], num_experts=MODEL.num_experts)
-        return {k: v.detach().clone() for k, v in layout.tensors().items()}
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.start_step = trainer.global_step
-        self.start = self._tensors(trainer, module)
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step in self.at:
-            self.states[trainer.global_step] = self._tensors(trainer, module)
-        if trainer.global_step == self.crash_after:
-            self.moc = next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint))
-            self.moc.engine.finish()  # let the background persist end, as a killed process's would not matter
-            raise Crash(f"killed after step {trainer.global_step}")
-
-
 def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
     return moc_config(tmp_path, **{"every_n_train_steps": 5, "persist_every_n_snapshots": 2, **kw})
-
-
-def _fit(
-    tmp_path: Path, config: CheckpointConfig, max_steps: int, recorder: Recorder,
-    extra_callbacks: tuple[L.Callback, ...] | list[L.Callback] = (), **trainer_kw: Any,
-) -> MoCCheckpoint:
-    try:
-        return fit(tmp_path, config, max_steps, [recorder, *extra_callbacks], **trainer_kw)
-    except Crash:
-        return recorder.moc
 
 
 def _slots(tmp_path: Path) -> list[Path]:
@@ -80,10 +40,10 @@ def _slots(tmp_path: Path) -> list[Path]:
 
 def test_resume_never_starts_a_new_lineage_and_sets_the_old_one_aside(tmp_path: Path) -> None:
     """Failed on 7dbc115: the new run's persists failed as "not newer" until it passed the old run's step."""
-    _fit(tmp_path, _config(tmp_path), 20, Recorder())
+    fit_or_crash(tmp_path, _config(tmp_path), 20, Recorder())
     old_manifest = (tmp_path / "ckpt" / "manifest.json").read_bytes()
     fresh = Recorder()
-    moc = _fit(tmp_path, _config(tmp_path, resume="never"), 12, fresh)
+    moc = fit_or_crash(tmp_path, _config(tmp_path, resume="never"), 12, fresh)
     assert fresh.start_step == 0 and moc.recovery is None
     assert moc.engine.stats.failed_persists == 0 and moc.engine.stats.persists >= 1
     manifest = moc.engine.pec.read_manifest()
@@ -96,37 +56,23 @@ def test_resume_never_starts_a_new_lineage_and_sets_the_old_one_aside(tmp_path: 
 def test_deleted_run_directory_starts_fresh_instead_of_resuming_old_slots(tmp_path: Path) -> None:
     """Failed on 7dbc115: the restart resumed silently from the old run's shared-memory slots."""
     first = Recorder(crash_after=17)
-    _fit(tmp_path, _config(tmp_path), 30, first)
+    fit_or_crash(tmp_path, _config(tmp_path), 30, first)
     assert _slots(tmp_path), "a crashed run leaves its slots"
     shutil.rmtree(tmp_path / "ckpt")
     again = Recorder()
-    moc = _fit(tmp_path, _config(tmp_path), 6, again)
+    moc = fit_or_crash(tmp_path, _config(tmp_path), 6, again)
     assert again.start_step == 0 and moc.recovery is None
     assert again.start.keys() == first.start.keys()
     assert all(torch.equal(t, first.start[k]) for k, t in again.start.items()), "not the initial state"
 
 
-def _unit_of(key: str) -> str:
-    return "/".join(key.split("/")[:3]) if key.startswith("expert/") else "/".join(key.split("/")[:2])
-
-
-def _check_sources(first: Recorder, resumed: Recorder, sources: dict[str, dict[str, Any]]) -> None:
-    """Every restored tensor is bitwise its unit's version at the step the recovery reports for it."""
-    for key, tensor in resumed.start.items():
-        step = sources[_unit_of(key)]["step"]
-        if "/optim/" in key and step < 0:
-            continue
-        expected = first.start[key] if step < 0 else first.states[step][key]
-        assert torch.equal(tensor, expected), f"{key} (source step {step}) is not its version of that step"
-
-
 def test_restart_resumes_its_own_lineage_bitwise(tmp_path: Path) -> None:
     first = Recorder(at=(5, 10, 15), crash_after=17)
-    _fit(tmp_path, _config(tmp_path), 30, first)
+    fit_or_crash(tmp_path, _config(tmp_path), 30, first)
     resumed = Recorder()
-    moc = _fit(tmp_path, _config(tmp_path), 20, resumed)
+    moc = fit_or_crash(tmp_path, _config(tmp_path), 20, resumed)
     assert moc.recovery.resume_step == 15 and resumed.start_step == 15
-    _check_sources(first, resumed, moc.recovery.sources)
+    check_sources(first, resumed, moc.recovery.sources)
     assert [s.start_step for s in moc.engine.pec.read_manifest().lineage.segments] == [0, 15]
 
 
@@ -136,31 +82,16 @@ def test_unrecoverable_state_starts_over_instead_of_crash_looping(tmp_path: Path
     Failed on 7dbc115: every restart raised "nothing to resume from" (the emptied manifest still made
     ``resume_target()`` answer yes), so the job crash-looped until its restarts ran out.
     """
-    _fit(tmp_path, _config(tmp_path, persist_every_n_snapshots=10), 30, Recorder(crash_after=12))
+    fit_or_crash(tmp_path, _config(tmp_path, persist_every_n_snapshots=10), 30, Recorder(crash_after=12))
     flip_middle_byte(next((tmp_path / "ckpt" / "step_000000005").glob("*.distcp")))
     shutil.rmtree(tmp_path / "shm")
     again = Recorder()
-    _fit(tmp_path, _config(tmp_path), 8, again)
+    fit_or_crash(tmp_path, _config(tmp_path), 8, again)
     assert again.start_step == 0
     assert "nothing to resume (no consistent state of this run survives" in capsys.readouterr().out
     later = Recorder()
-    _fit(tmp_path, _config(tmp_path), 10, later)
+    fit_or_crash(tmp_path, _config(tmp_path), 10, later)
     assert later.start_step == 8, "the next restart resumes the restarted lineage"
-
-
-class FailFirstCommit(L.Callback):
-    """Makes the run's first persist fail in its commit, before anything is written (a rank killed there)."""
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        pec = next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.pec
-        failed: list[str] = []
-
-        def hook(point: str) -> None:
-            if not failed:
-                failed.append(point)
-                raise OSError(f"injected at {point}")
-
-        pec.fault_hook = hook
 
 
 def test_a_damaged_manifest_before_the_first_persist_falls_back_to_the_lineage_it_began(
@@ -172,17 +103,18 @@ def test_a_damaged_manifest_before_the_first_persist_falls_back_to_the_lineage_i
     restart raised "unreadable and no previous manifest" and the job crash-looped.
     """
     first = Recorder(at=(5,), crash_after=7)
-    _fit(tmp_path, _config(tmp_path, persist_every_n_snapshots=10), 30, first, extra_callbacks=[FailFirstCommit()])
+    config = _config(tmp_path, persist_every_n_snapshots=10)
+    fit_or_crash(tmp_path, config, 30, first, extra_callbacks=[FailFirstCommit()])
     manifest = tmp_path / "ckpt" / "manifest.json"
     begun = Manifest.from_json(manifest.read_bytes())
     assert not begun.records, "no persist was committed"
     lineage = begun.lineage
     manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
     resumed = Recorder()
-    moc = _fit(tmp_path, _config(tmp_path), 10, resumed)
+    moc = fit_or_crash(tmp_path, _config(tmp_path), 10, resumed)
     assert "manifest.json is unreadable" in capsys.readouterr().out
     assert moc.recovery.resume_step == 5 and resumed.start_step == 5, "the snapshot of its own lineage"
-    _check_sources(first, resumed, moc.recovery.sources)
+    check_sources(first, resumed, moc.recovery.sources)
     assert moc.engine.pec.read_manifest().lineage.run_id == lineage.run_id
 
 
@@ -190,33 +122,34 @@ def test_a_failed_attempt_leaves_no_bytes_behind(tmp_path: Path) -> None:
     """Recovery plans step 10, finds its checkpoint damaged, and falls back to step 5: every unit must then
     hold its step-5 (or initial) version, none a byte of step 10 that the failed attempt had loaded.
 
-    Failed on 7dbc115: experts reported as never saved held step-10 weights.
+    Failed on 7dbc115: experts reported as never saved held step-10 weights. The first persist is PEC's here:
+    with a complete one every unit would be loaded again from step 5, hiding what the rollback left behind.
     """
     first = Recorder(at=(5,), crash_after=12)
-    config = _config(tmp_path, persist_every_n_snapshots=1, k_snapshot=1, k_persist=1)
-    _fit(tmp_path, config, 30, first)
+    config = _config(tmp_path, persist_every_n_snapshots=1, k_snapshot=1, k_persist=1, complete_first_persist=False)
+    fit_or_crash(tmp_path, config, 30, first)
     shutil.rmtree(tmp_path / "shm")
     data = next((tmp_path / "ckpt" / "step_000000010").glob("*.distcp"))
     raw = bytearray(data.read_bytes())
     raw[-3] ^= 0xFF  # the last item: the ones before it load before the damage is found
     data.write_bytes(bytes(raw))
     again = Recorder()
-    moc = _fit(tmp_path, config, 14, again)
+    moc = fit_or_crash(tmp_path, config, 14, again)
     assert moc.recovery.resume_step == 5
-    _check_sources(first, again, moc.recovery.sources)
+    check_sources(first, again, moc.recovery.sources)
 
 
 def test_finished_run_removes_its_snapshots_unless_told_to_keep_them(tmp_path: Path) -> None:
     """Failed on 7dbc115: finished runs left their slots in /dev/shm for ever."""
-    _fit(tmp_path, _config(tmp_path), 10, Recorder())
+    fit_or_crash(tmp_path, _config(tmp_path), 10, Recorder())
     assert not _slots(tmp_path) and not any((tmp_path / "shm").iterdir())
-    _fit(tmp_path / "kept", _config(tmp_path / "kept", remove_snapshots_on_fit_end=False), 10, Recorder())
+    fit_or_crash(tmp_path / "kept", _config(tmp_path / "kept", remove_snapshots_on_fit_end=False), 10, Recorder())
     assert _slots(tmp_path / "kept")
 
 
 def test_run_ending_by_max_epochs_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
     """Failed on 7dbc115: the last step had been persisted partially, and the final persist was skipped."""
-    moc = _fit(
+    moc = fit_or_crash(
         tmp_path, _config(tmp_path, persist_every_n_snapshots=1), -1, Recorder(), max_epochs=1, limit_train_batches=10
     )
     newest = moc.engine.pec.read_manifest().latest
@@ -226,8 +159,8 @@ def test_run_ending_by_max_epochs_leaves_a_complete_checkpoint(tmp_path: Path) -
 
 def test_user_k_wins_over_the_restored_k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Failed on 7dbc115: the restored engine state overwrote the K given at resume."""
-    _fit(tmp_path, _config(tmp_path, k_snapshot=2, k_persist=1), 30, Recorder(crash_after=12))
-    moc = _fit(tmp_path, _config(tmp_path, k_snapshot=4, k_persist=2), 14, Recorder())
+    fit_or_crash(tmp_path, _config(tmp_path, k_snapshot=2, k_persist=1), 30, Recorder(crash_after=12))
+    moc = fit_or_crash(tmp_path, _config(tmp_path, k_snapshot=4, k_persist=2), 14, Recorder())
     assert (moc.engine.pec.dynamic_k.k_snapshot, moc.engine.pec.dynamic_k.k_persist) == (4, 2)
     assert "k_snapshot/k_persist" in capsys.readouterr().out
 
@@ -235,15 +168,16 @@ def test_user_k_wins_over_the_restored_k(tmp_path: Path, capsys: pytest.CaptureF
 def test_shm_check_counts_every_local_ranks_reusable_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A restart of a job that fitted is never refused. Failed on 7dbc115: only this rank's slots counted."""
     recorder = Recorder()
-    moc = _fit(tmp_path, _config(tmp_path, remove_snapshots_on_fit_end=False), 5, recorder)
+    moc = fit_or_crash(tmp_path, _config(tmp_path, remove_snapshots_on_fit_end=False), 5, recorder)
     pec = moc.engine.pec
     per_slot = pec.snapshot_share_bytes(with_optimizer_state=True)
+    complete = pec.snapshot_share_bytes(with_optimizer_state=True, complete=True)  # the first snapshot's slot
     node = tmp_path / "node"
     for rank in range(2):
         for slot in range(NUM_SLOTS):
             (node / f"rank{rank}" / f"slot{slot}").mkdir(parents=True)
             with open(node / f"rank{rank}" / f"slot{slot}" / "data", "wb") as f:
-                f.truncate(per_slot)
+                f.truncate(complete if slot == 0 else per_slot)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     config = _config(tmp_path, ranks_per_node=2)

@@ -62,8 +62,12 @@ class Trainee:
 
 
 def every_step_config(k_snapshot: int, k_persist: int, **kw) -> CheckpointConfig:
+    """A checkpoint at every step, each persisted. Its first persist is PEC's too (unless ``kw`` says otherwise):
+    the tests that drive the engine by hand check PEC's own rotation, bytes (eq. 6) and PLT from the first
+    checkpoint on; the complete first persist has its own tests (``test_complete_first_persist.py``)."""
     return CheckpointConfig(
-        k_snapshot=k_snapshot, k_persist=k_persist, every_n_train_steps=1, persist_every_n_snapshots=1, **kw
+        **{"k_snapshot": k_snapshot, "k_persist": k_persist, "every_n_train_steps": 1, "persist_every_n_snapshots": 1,
+           "complete_first_persist": False, **kw}
     )
 
 
