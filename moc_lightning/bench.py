@@ -637,6 +637,7 @@ def _train_config(cfg: BenchConfig, max_steps: int) -> TrainConfig:
         val_check_interval=max_steps,
         limit_val_batches=0,
         log_every_n_steps=max_steps,
+        enable_progress_bar=False,  # the benchmark prints its table; a bar would only redraw between its lines
     )
     return TrainConfig(model=cfg.model, data=cfg.data, optim=cfg.optim, trainer=trainer, seed=cfg.seed)
 

@@ -20,6 +20,7 @@ module and callbacks add in ``on_save_checkpoint``, and this rank's RNG, set jus
 The LightningModule tells the callback about its experts through two optional members: ``moe_layers()``
 (MoE layers whose routers report ``tokens_per_expert``/``tokens_assigned``; without it PLT is not measured)
 and ``expert_topology`` (an :class:`ExpertParallelTopology`; without it every rank holds every expert).
+How it stands beside ``enable_checkpointing`` and a ``ModelCheckpoint``: :mod:`moc_lightning.coexistence`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
+from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.layout import build_layout
@@ -51,6 +53,7 @@ from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.start import agreed_manifest, begin_lineage
 from moc_lightning.storage import make_storage
+from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 
 
@@ -59,6 +62,7 @@ class MoCCheckpoint(Checkpoint):
 
     def __init__(self, config: CheckpointConfig | None = None, layout_preset: str = "auto") -> None:
         super().__init__()
+        allow_with_checkpointing_disabled(lambda callback: isinstance(callback, MoCCheckpoint))
         self.config = config or CheckpointConfig()
         self.layout_preset = layout_preset
         self.engine: TwoLevelCheckpointer | None = None
@@ -119,6 +123,7 @@ class MoCCheckpoint(Checkpoint):
     def _build_engine(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer | None) -> None:
         """Create the engine once per process (the persist process group is collective to create)."""
         topology = getattr(pl_module, "expert_topology", None) or _replicated_topology()
+        check_other_checkpoints(self._trainer, self, topology.ep, local_path(self.config.storage.url))
         layout = build_layout(pl_module, optimizer, preset=self.layout_preset, num_experts=_num_experts(pl_module))
         if self.engine is not None:
             self.engine.pec.attach(layout)

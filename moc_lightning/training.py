@@ -52,6 +52,8 @@ class TrainerConfig:
     """Logging interval in steps."""
     gradient_clip_val: float = 1.0
     """Clip the global gradient norm (0 disables)."""
+    enable_progress_bar: bool = True
+    """Lightning's progress bar (steps, loss), drawn by rank 0 only; ``false`` for logs that keep every redraw."""
 
     def __post_init__(self) -> None:
         for name in ("devices", "num_nodes", "max_steps", "val_check_interval", "log_every_n_steps"):
@@ -114,7 +116,8 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback
 
     ``ModelCheckpoint`` saves rank 0's state only, which under expert parallelism lacks the other ranks'
     experts; ``MoCCheckpoint`` (a ``Checkpoint`` callback, so Lightning adds no default one beside it) is the
-    checkpointing of this recipe, and with ``checkpoint.enabled=false`` checkpointing is off altogether.
+    checkpointing of this recipe, and with ``checkpoint.enabled=false`` checkpointing is off altogether. The
+    benchmark passes its own checkpoint callbacks (``ModelCheckpoint`` among them) through ``callbacks``.
     """
     t = cfg.trainer
     strategy = "auto"
@@ -139,7 +142,7 @@ def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback
         default_root_dir=str(output_dir),
         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
         callbacks=callbacks or [],
-        enable_progress_bar=False,
+        enable_progress_bar=t.enable_progress_bar,
         plugins=plugins,
     )
 
