@@ -43,6 +43,7 @@ from moc_lightning.agreement import check_same
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.faults import FaultInjector, FaultPlan
+from moc_lightning.hf_format import describe_model
 from moc_lightning.layout import build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
@@ -127,6 +128,7 @@ class MoCCheckpoint(Checkpoint):
         pec = PECCheckpointer(
             self.config, layout, topology, storage, backend=self.config.storage.backend, process_group=persist_group
         )
+        pec.model_description = describe_model(pl_module)
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
         check_shm_root(self.config, pec, slot_root.parent)
