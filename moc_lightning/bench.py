@@ -47,8 +47,9 @@ from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
+from moc_lightning.models.causal_lm import OptimConfig
 from moc_lightning.models.gpt_moe import GPTMoEConfig
-from moc_lightning.models.lightning import GPTMoEModule, OptimConfig
+from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
 

@@ -46,6 +46,7 @@ from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.faults import FaultInjector, FaultPlan
+from moc_lightning.hf_format import describe_model
 from moc_lightning.layout import build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
@@ -133,6 +134,7 @@ class MoCCheckpoint(Checkpoint):
         pec = PECCheckpointer(
             self.config, layout, topology, storage, backend=self.config.storage.backend, process_group=persist_group
         )
+        pec.model_description = describe_model(pl_module)
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
         check_shm_root(self.config, pec, slot_root.parent)

@@ -168,6 +168,9 @@ class PECCheckpointer:
         self._param_sources: dict[str, dict[str, Any]] | None = None
         self.lineage: Lineage | None = None
         """The run this engine's checkpoints belong to; ``None`` when the engine is used on its own."""
+        self.model_description: dict[str, Any] | None = None
+        """What writes the model back in its own format (:func:`moc_lightning.hf_format.describe_model`): its
+        prefix in the module, class and config. Written into every ``moc.json``; ``None``: nothing to record."""
         self._k_choice_said: str | None = None
         self.stored_base: dict[str, int] = {}
         """Unit key -> step of its newest stored version when this process started (or recovered)."""
@@ -492,10 +495,10 @@ class PECCheckpointer:
         engine_state: dict[str, Any],
         trainer_state: str | None,
     ) -> dict[str, Any]:
-        """The record, the engine state and the model parameter behind each weight key stored here.
+        """The record, the engine state, the model parameter behind each weight key stored here, and the model.
 
-        The parameter map lets ``moc-consolidate`` write a dense checkpoint under the model's own names
-        without building the model.
+        The parameter map and the model description let ``moc-consolidate`` write a dense checkpoint under
+        the model's own names, in its own format, without building the model.
         """
         held = set(record.units)
         return {
@@ -507,6 +510,7 @@ class PECCheckpointer:
                 "num_experts": list(self.layout.num_experts),
                 "params": {key: src for key, src in param_sources.items() if parse_unit(key).key in held},
             },
+            "model": self.model_description,
         }
 
     def _gather_param_sources(self) -> dict[str, dict[str, Any]]:

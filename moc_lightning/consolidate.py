@@ -12,8 +12,15 @@ checkpoint's ``moc.json`` carries, re-stacks stacked expert tensors, and writes 
   plus the optimizer state by parameter name; it loads with ``torch.load(..., weights_only=True)``.
 - ``dcp``: a DCP directory keyed by parameter name, loadable by ``dcp.load`` into ``model.state_dict()``.
 - ``safetensors``: the weights only.
+- ``hf``: a directory ``transformers``' ``from_pretrained`` loads (:mod:`moc_lightning.hf_format`): the
+  weights under the wrapped model's own names, in shards of ``--max-shard-size`` with their index, and the
+  model's ``config.json`` when the run recorded one.
 
-Usage: ``moc-consolidate CHECKPOINT_DIR --out PATH [--format lightning|dcp|safetensors] [--allow-missing]``.
+Every format holds the persistent buffers (a router's ``e_score_correction_bias``, torchtitan's
+``expert_bias``, norm statistics) beside the parameters, as ``state_dict()`` does.
+
+Usage: ``moc-consolidate CHECKPOINT_DIR --out PATH [--format lightning|dcp|safetensors|hf] [--allow-missing]
+[--prefix PREFIX] [--max-shard-size SIZE]``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from moc_lightning import hf_format
 from moc_lightning.checkpointer import MANIFEST, UnreadableCheckpoint, read_description, read_manifest
 from moc_lightning.layout import buffer_key, param_key
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
@@ -116,13 +124,20 @@ class StorageRoot:
 
     def layout(self, record: CheckpointRecord) -> dict[str, Any]:
         """The ``layout`` section of a checkpoint's ``moc.json``: ``num_experts`` and the parameter map."""
-        layout = read_description(self._storage(CONTROL_BACKEND), record.name).get("layout")
+        layout = self._description(record).get("layout")
         if layout is None:
             raise ConsolidateError(
                 f"{record.name}/moc.json has no parameter map (written by an older moc_lightning, or lost); "
                 "the checkpoint cannot be mapped back to parameter names"
             )
         return layout
+
+    def model(self, record: CheckpointRecord) -> dict[str, Any] | None:
+        """The ``model`` section of a checkpoint's ``moc.json`` (:func:`hf_format.describe_model`), if recorded."""
+        return self._description(record).get("model")
+
+    def _description(self, record: CheckpointRecord) -> dict[str, Any]:
+        return read_description(self._storage(CONTROL_BACKEND), record.name)
 
     def reader(self, record: CheckpointRecord) -> StorageReader:
         return self._storage(record.backend).reader(record.name)
@@ -202,9 +217,13 @@ class DenseCheckpoint:
     """The model's ``state_dict``: parameters and persistent buffers, under their module names."""
     optimizer: dict[str, dict[str, torch.Tensor]]
     provenance: dict[str, Any]
+    model: dict[str, Any] | None = None
+    """The model the run recorded (:func:`hf_format.describe_model`); ``None`` when it recorded none."""
 
 
-def assemble(pieces: Sequence[Piece], num_experts: Sequence[int], provenance: dict[str, Any]) -> DenseCheckpoint:
+def assemble(
+    pieces: Sequence[Piece], num_experts: Sequence[int], provenance: dict[str, Any], model: dict[str, Any] | None = None
+) -> DenseCheckpoint:
     """Group pieces by parameter (and optimizer state) and join each group into one dense tensor."""
     groups: dict[tuple[str, str | None], list[Piece]] = {}
     for piece in pieces:
@@ -214,7 +233,7 @@ def assemble(pieces: Sequence[Piece], num_experts: Sequence[int], provenance: di
     for (param, state), group in groups.items():
         if state is not None:
             optimizer.setdefault(param, {})[state] = _join(group, num_experts, weights[param].shape[1:])
-    return DenseCheckpoint(weights, optimizer, provenance)
+    return DenseCheckpoint(weights, optimizer, provenance, model)
 
 
 def _join(group: Sequence[Piece], num_experts: Sequence[int], slice_shape: torch.Size | None = None) -> torch.Tensor:
@@ -274,22 +293,42 @@ def write_safetensors(dense: DenseCheckpoint, out: Path) -> None:
     save_file(tensors, str(out), metadata={"format": "pt", "moc": json.dumps(dense.provenance)})
 
 
-WRITERS: dict[str, Callable[[DenseCheckpoint, Path], None]] = {
+def write_hf(
+    dense: DenseCheckpoint, out: Path, *, prefix: str | None = None, max_shard_size: str = hf_format.DEFAULT_MAX_SHARD_SIZE
+) -> None:
+    """A ``from_pretrained`` directory: the weights under the model's own names, sharded, with its config."""
+    hf_format.write_hf(
+        dense.weights, out, model=dense.model, provenance=dense.provenance, prefix=prefix, max_shard_size=max_shard_size
+    )
+
+
+WRITERS: dict[str, Callable[..., None]] = {
     "lightning": write_lightning,
     "dcp": write_dcp,
     "safetensors": write_safetensors,
+    "hf": write_hf,
 }
 
 
 def consolidate(
-    url: str, out: str | Path, fmt: str = "lightning", *, allow_missing: bool = False, progress: bool = True
+    url: str,
+    out: str | Path,
+    fmt: str = "lightning",
+    *,
+    allow_missing: bool = False,
+    progress: bool = True,
+    prefix: str | None = None,
+    max_shard_size: str | None = None,
 ) -> dict[str, Any]:
     """Write the newest stored version of every unit of the run under ``url`` as one dense checkpoint.
 
-    Returns the provenance written with it: the step, each unit's source step and any missing experts.
+    ``prefix`` and ``max_shard_size`` are options of the ``hf`` format (:func:`write_hf`; ``None``: its
+    default). Returns the provenance written with it: the step, each unit's source step and any missing
+    experts.
     """
     if fmt not in WRITERS:
         raise ConsolidateError(f"--format {fmt!r} is not supported; choose one of: {', '.join(WRITERS)}")
+    options = _format_options(fmt, prefix=prefix, max_shard_size=max_shard_size)
     root = StorageRoot(url)
     manifest = root.manifest()
     num_experts = root.layout(manifest.latest)["num_experts"]
@@ -299,11 +338,28 @@ def consolidate(
             f"experts {list(chosen.missing)} were never stored, so no dense checkpoint holds the whole model; "
             "pass --allow-missing to write one without them"
         )
-    dense = assemble(read_pieces(root, chosen, progress), num_experts, chosen.provenance())
+    dense = assemble(read_pieces(root, chosen, progress), num_experts, chosen.provenance(), root.model(manifest.latest))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    WRITERS[fmt](dense, out)
+    try:
+        WRITERS[fmt](dense, out, **options)
+    except hf_format.HFFormatError as err:  # a --prefix that fits no name of this run
+        raise ConsolidateError(str(err)) from err
     return dense.provenance
+
+
+def _format_options(fmt: str, **options: str | None) -> dict[str, str]:
+    """The options given (not ``None``) for the writer of ``fmt``, checked before anything is read: only the
+    ``hf`` format takes any, and its shard size must be a size."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if given and fmt != "hf":
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ConsolidateError(f"{flags} applies to --format hf only, not --format {fmt}")
+    try:
+        hf_format.parse_size(given.get("max_shard_size", hf_format.DEFAULT_MAX_SHARD_SIZE))
+    except hf_format.HFFormatError as err:
+        raise ConsolidateError(str(err)) from err
+    return given
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -313,16 +369,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         description="Write one dense checkpoint holding every unit of a MoC run at its newest stored version.",
     )
     parser.add_argument("checkpoint_dir", help="storage root of the run (the directory holding manifest.json)")
-    parser.add_argument("--out", required=True, help="output file (lightning, safetensors) or directory (dcp)")
+    parser.add_argument("--out", required=True, help="output file (lightning, safetensors) or directory (dcp, hf)")
     parser.add_argument("--format", default="lightning", choices=tuple(WRITERS), help="output format")
     parser.add_argument(
         "--allow-missing", action="store_true", help="leave out experts that were never stored instead of failing"
+    )
+    parser.add_argument(
+        "--prefix",
+        help="hf: attribute path of the model inside the LightningModule, stripped from every name (default: the one "
+        "the run recorded, else the first name component when all names share it; '' strips nothing)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        help=f"hf: largest safetensors shard, e.g. 500MB or 2GiB (default {hf_format.DEFAULT_MAX_SHARD_SIZE})",
     )
     args = parser.parse_args(argv)
     try:
         with warnings.catch_warnings():  # DCP warns on every single-process call, which is all this command makes
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            provenance = consolidate(args.checkpoint_dir, args.out, args.format, allow_missing=args.allow_missing)
+            provenance = consolidate(
+                args.checkpoint_dir,
+                args.out,
+                args.format,
+                allow_missing=args.allow_missing,
+                prefix=args.prefix,
+                max_shard_size=args.max_shard_size,
+            )
     except (ConsolidateError, ManifestError, UnreadableCheckpoint) as err:  # damage included: one line, no traceback
         message = " ".join(str(err).split())
         parser.exit(1, f"moc-consolidate: error: {message}\n")

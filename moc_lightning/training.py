@@ -3,13 +3,15 @@
 The dataclasses here are the Hydra schema (registered in the ConfigStore by :func:`register_configs`), so a
 wrong type or an unknown key fails at composition with Hydra's own message, and ``__post_init__`` checks
 values when the config is turned into objects. Everything works without Hydra too: build a
-:class:`TrainConfig` and call :func:`run`.
+:class:`TrainConfig` and call :func:`run`. :class:`RecipeConfig` and :func:`fit` are what every recipe
+shares (``recipes/train_hf.py`` trains a Hugging Face model with them, :mod:`moc_lightning.training_hf`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import lightning as L
 from hydra.core.config_store import ConfigStore
@@ -22,8 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.models.causal_lm import OptimConfig
 from moc_lightning.models.gpt_moe import GPTMoEConfig
-from moc_lightning.models.lightning import GPTMoEModule, OptimConfig
+from moc_lightning.models.lightning import GPTMoEModule
 
 
 @dataclass
@@ -66,11 +69,9 @@ class TrainerConfig:
 
 
 @dataclass
-class TrainConfig:
-    """Root of the config tree (``conf/train.yaml``)."""
+class RecipeConfig:
+    """What every training recipe's config holds besides its model."""
 
-    model: GPTMoEConfig = field(default_factory=GPTMoEConfig)
-    """The reference GPT-MoE shape (``conf/model/``)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and batching (``conf/data/``)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -81,6 +82,14 @@ class TrainConfig:
     """MoC checkpointing options (``conf/checkpoint/``)."""
     seed: int = 0
     """Seed of initialisation and data order."""
+
+
+@dataclass
+class TrainConfig(RecipeConfig):
+    """Root of the config tree of ``recipes/train.py`` (``conf/train.yaml``)."""
+
+    model: GPTMoEConfig = field(default_factory=GPTMoEConfig)
+    """The reference GPT-MoE shape (``conf/model/``)."""
 
     def __post_init__(self) -> None:
         ep = self.trainer.ep
@@ -101,17 +110,20 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Turn a composed Hydra config into objects, running every ``__post_init__`` check.
+Config = TypeVar("Config", bound=RecipeConfig)
+
+
+def to_train_config(cfg: DictConfig, schema: type[Config] = TrainConfig) -> Config:
+    """Turn a composed Hydra config into objects of ``schema``, running every ``__post_init__`` check.
 
     The config is merged into a fresh schema first: Hydra's ``+key=value`` appends keys even to typed
     nodes, and ``to_object`` would drop them silently; the merge rejects them by name instead.
     """
-    checked = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=True))
+    checked = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(cfg, resolve=True))
     return OmegaConf.to_object(checked)  # type: ignore[return-value]
 
 
-def build_trainer(cfg: TrainConfig, output_dir: Path, callbacks: list[L.Callback] | None = None) -> L.Trainer:
+def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     """A Trainer that logs CSV under ``output_dir/logs``; Lightning's default ``ModelCheckpoint`` never runs.
 
     ``ModelCheckpoint`` saves rank 0's state only, which under expert parallelism lacks the other ranks'
@@ -152,6 +164,12 @@ def run(cfg: TrainConfig, output_dir: Path) -> L.Trainer:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = GPTMoEModule(cfg.model, cfg.optim, ep=cfg.trainer.ep, seed=cfg.seed)
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
+    return fit(cfg, module, data, output_dir)
+
+
+def fit(cfg: RecipeConfig, module: L.LightningModule, data: L.LightningDataModule, output_dir: Path) -> L.Trainer:
+    """Train ``module`` on ``data`` with MoC checkpointing as ``cfg`` says, resuming when the run's storage holds
+    a checkpoint; prints the final metrics and where the logs are. Returns the finished Trainer."""
     moc = MoCCheckpoint(cfg.checkpoint) if cfg.checkpoint.enabled else None
     trainer = build_trainer(cfg, output_dir, [moc] if moc else [])
     trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target(output_dir) if moc else None)

@@ -18,21 +18,25 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 REQUIRED = {"data/text": ["data.paths=[a.txt]"], "data/bin": ["data.paths=[a.bin]"]}
 
 
-def _compose(overrides: list[str], hydra_config: bool = False):
+def _compose(overrides: list[str], hydra_config: bool = False, root: str = "train"):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=hydra_config)
+        return compose(root, overrides=overrides, return_hydra_config=hydra_config)
 
 
 TRAIN_GROUPS = ("model", "data", "trainer", "checkpoint", "hydra/launcher")
 BENCH_GROUPS = ("preset",)
 
 
+HF_MODELS = sorted(path.stem for path in (CONF / "model").glob("hf_*.yaml"))
+"""Hugging Face models: the ``model`` options of ``train_hf.yaml`` (recipes/train_hf.py), not of ``train.yaml``."""
+
+
 def _group_options(groups: tuple[str, ...]) -> list[tuple[str, str]]:
     return sorted(
         (str(path.parent.relative_to(CONF)), path.stem)
         for path in CONF.rglob("*.yaml")
-        if str(path.parent.relative_to(CONF)) in groups
+        if str(path.parent.relative_to(CONF)) in groups and path.stem not in HF_MODELS
     )
 
 
@@ -40,7 +44,7 @@ def test_every_config_file_is_composed_by_some_test() -> None:
     """A new config group must be added to TRAIN_GROUPS or BENCH_GROUPS, or it would never be checked."""
     roots = {path.stem for path in CONF.glob("*.yaml")}
     groups = {str(path.parent.relative_to(CONF)) for path in CONF.rglob("*.yaml") if path.parent != CONF}
-    assert roots == {"train", "bench"}
+    assert roots == {"train", "train_hf", "bench"}
     assert groups == set(TRAIN_GROUPS) | set(BENCH_GROUPS)
 
 
@@ -127,3 +131,35 @@ def test_checkpoint_config_validates_without_hydra() -> None:
     with pytest.raises(ValueError, match="checkpoint.retention must be >= 1"):
         CheckpointConfig(retention=0)
     assert CheckpointConfig(k_snapshot=4, k_persist=4).k_persist == 4
+
+
+def _hf_train_config(overrides: list[str]):
+    """``conf/train_hf.yaml`` composed and turned into objects (needs the hf extra)."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'moc_lightning[hf]'")
+    from moc_lightning.training_hf import TrainHFConfig, register_configs as register_hf_configs
+
+    register_hf_configs()
+    return to_train_config(_compose(overrides, root="train_hf"), TrainHFConfig)
+
+
+@pytest.mark.parametrize("option", HF_MODELS)
+def test_every_hf_model_composes(option: str) -> None:
+    train = _hf_train_config([f"model={option}"])
+    assert train.model.model_type == option.removeprefix("hf_").removesuffix("_tiny")
+    assert train.model.num_experts() == 8
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+model.config.num_local_expert=8"], "num_local_expert: did you mean 'num_local_experts'?"),
+        (["model.model_type=mixtrall"], "model.model_type='mixtrall' is not a transformers model type"),
+        (["model=hf_qwen3_moe_tiny", "model.model_type=llama"], "model.config has options"),
+        (["trainer.ep=2"], "trainer.ep=2: a Hugging Face model trains data-parallel here"),
+        (["checkpoint.k_snapshot=9"], "checkpoint.k_snapshot=9 must be <= the number of experts per MoE layer (8)"),
+    ],
+)
+def test_bad_hf_values_name_the_option(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        _hf_train_config(overrides)
+    assert message in str(err.value)

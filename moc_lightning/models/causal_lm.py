@@ -1,0 +1,90 @@
+"""What every causal-LM ``LightningModule`` of the recipes shares: the logged losses and the optimizer.
+
+The reference GPT-MoE (:mod:`moc_lightning.models.lightning`) and a Hugging Face model
+(:mod:`moc_lightning.models.hf`) differ only in how a batch becomes a loss; the training and validation
+steps, AdamW with decoupled weight decay on matrices only, and the warm-up + cosine schedule are the same,
+so a comparison between them (or a switch from one to the other) changes the model and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from torch import nn
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    decay_steps: int = 1000
+    """Steps of cosine decay after warm-up; the learning rate stays at ``min_lr`` afterwards."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim.lr must be > 0 and optim.min_lr in [0, lr], got lr={self.lr} min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.decay_steps < 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.decay_steps >= 1")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        floor = self.min_lr / self.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""Input token ids and their next-token targets, both ``[B, T]``."""
+
+
+class CausalLMModule(L.LightningModule, ABC):
+    """Trains ``self.model`` (set by the subclass) on next-token prediction; logs ``train_loss``/``val_loss``."""
+
+    model: nn.Module | None
+
+    def __init__(self, optim: OptimConfig | None = None) -> None:
+        super().__init__()
+        self.optim_config = optim or OptimConfig()
+
+    @abstractmethod
+    def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(language-model loss, loss to optimize)``: the second adds the model's auxiliary losses."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        lm_loss, loss = self.losses(batch)
+        self.log("train_loss", lm_loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        lm_loss, _ = self.losses(batch)
+        self.log("val_loss", lm_loss, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        cfg = self.optim_config
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
