@@ -96,7 +96,8 @@ class RecoveryReport:
     """A two-level recovery as this rank saw it."""
 
     resume_step: int
-    plt: float
+    plt: float | None
+    """PLT of this fault (eq. 7); ``None`` when it is unknown (no router counts: see :mod:`moc_lightning.routing`)."""
     sources: dict[str, dict[str, Any]]
     """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int, "rank": slot owner or None}``."""
     recover_seconds: float
