@@ -221,6 +221,20 @@ class Layout:
             for state_name, value in self._state(slot.param).items():
                 yield state_key(unit, slot.local_name, state_name), _take(value, slot, param.shape), "optimizer"
 
+    def shared_state_keys(self, units: Iterable[Unit]) -> dict[str, tuple[str, str]]:
+        """Optimizer-state keys of ``units`` whose tensor all experts of a stacked parameter share (not sliced:
+        Adam's scalar ``step``), each with ``(parameter, state name)``: the keys that hold one tensor."""
+        shared = {}
+        for unit in units:
+            for slot in self.slots[unit]:
+                if slot.buffer or slot.index is None:
+                    continue
+                shape = self.params[slot.param].shape
+                for name, value in self._state(slot.param).items():
+                    if value.dim() == 0 or value.shape[0] != shape[0]:
+                        shared[state_key(unit, slot.local_name, name)] = (slot.param, name)
+        return shared
+
     def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded tensors into the live parameters and optimizer state, in place.
 

@@ -69,7 +69,7 @@ def titan_route(router: nn.Module, args: tuple[Any, ...], output: Any) -> torch.
 class Family:
     build: Callable[[], nn.Module]
     experts: dict[str, tuple[str, ...]]
-    """MoE layer prefix -> the expert parameters under it (names relative to the prefix)."""
+    """MoE layer prefix -> the expert parameters under it (names relative to the prefix), in model order."""
     routers: dict[str, str]
     """MoE layer prefix -> its router module."""
     num_experts: int
@@ -132,7 +132,7 @@ FAMILIES: dict[str, Family] = {
     "switch_transformers": Family(  # block 1 of each stack is sparse; top-1, capacity above the tokens
         _hf("SwitchTransformersConfig", d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
             num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_heads=4, num_experts=8,
-            expert_capacity=64, router_jitter_noise=0.0, dropout_rate=0.0),
+            expert_capacity=64, router_jitter_noise=0.0, dropout_rate=0.0, decoder_start_token_id=0),
         {p: tuple(f"experts.expert_{e}.{w}.weight" for e in range(8) for w in ("wi", "wo"))
          for p in ("encoder.block.1.layer.1.mlp", "decoder.block.1.layer.2.mlp")},
         {p: f"{p}.router" for p in ("encoder.block.1.layer.1.mlp", "decoder.block.1.layer.2.mlp")},
@@ -146,8 +146,8 @@ FAMILIES: dict[str, Family] = {
         _hf("JetMoeConfig", hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
             intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64),
         {f"model.layers.{l}.{m}": ("input_linear.weight", "output_linear.weight")
-         for l in (0, 1) for m in ("self_attention.experts", "mlp")},
-        {f"model.layers.{l}.{m}": f"model.layers.{l}.{m}.router" for l in (0, 1) for m in ("self_attention.experts", "mlp")},
+         for l in (0, 1) for m in ("mlp", "self_attention.experts")},
+        {f"model.layers.{l}.{m}": f"model.layers.{l}.{m}.router" for l in (0, 1) for m in ("mlp", "self_attention.experts")},
         8, top_k_of_logits(2, at=4),
     ),
     "dbrx": _family(  # experts flattened [E*I, H]
@@ -174,7 +174,7 @@ def test_detected_experts_are_the_familys_experts(name: str) -> None:
         for layer in layout.moe_layers
     }
     assert found == {prefix: sorted(f"{prefix}.{p}" for p in params) for prefix, params in family.experts.items()}
-    assert {layer.prefix: layer.router for layer in layout.moe_layers} == family.routers
+    assert [(layer.prefix, layer.router) for layer in layout.moe_layers] == list(family.routers.items())
     assert {layer.num_experts for layer in layout.moe_layers} == {family.num_experts}
     expert_params = {s.param for u in layout.expert_units for s in layout.slots[u]}
     for param_name, param in model.named_parameters():  # each expert tensor is split into N slices, no more
@@ -235,6 +235,7 @@ class HandCount(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.states[trainer.global_step] = _state(trainer, module)
+        self.shared = _shared_states(build_layout(module, trainer.optimizers[0]).tensors())
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -294,9 +295,22 @@ def test_fault_plt_is_the_hand_count_and_resume_is_bitwise(tmp_path: Path, name:
     assert hand_plt > 0
     assert report.plt == pytest.approx(hand_plt, rel=1e-12, abs=0)
 
-    # (c) every tensor as it was at its unit's source step
+    # (c) every tensor as it was at its unit's source step; a state all experts of a stacked parameter share
+    # (Adam's scalar step) as it was at the newest of their source steps
     restored = second.states[resume]
     assert set(restored) == set(first.states[resume])
+    shared = second.shared
+    newest = {group: max(sources[parse_unit(key).key] for key in keys) for group, keys in shared.items()}
+    sharing = {key: newest[group] for group, keys in shared.items() for key in keys}
     for key, tensor in restored.items():
-        expected = first.states[sources[parse_unit(key).key]][key]
+        expected = first.states[sharing.get(key, sources[parse_unit(key).key])][key]
         assert torch.equal(tensor, expected), key
+
+
+def _shared_states(state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
+    """Keys of the live state whose tensors are one 0-dim tensor held by several experts, grouped by it."""
+    groups: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        groups.setdefault(tensor.data_ptr() if tensor.dim() == 0 else -1, []).append(key)
+    groups.pop(-1, None)
+    return {ptr: keys for ptr, keys in groups.items() if len(keys) > 1}
