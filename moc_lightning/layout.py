@@ -231,7 +231,7 @@ class Layout:
                     continue
                 shape = self.params[slot.param].shape
                 for name, value in self._state(slot.param).items():
-                    if value.dim() == 0 or value.shape[0] != shape[0]:
+                    if not _sliced(value, slot, shape):
                         shared[state_key(unit, slot.local_name, name)] = (slot.param, name)
         return shared
 
@@ -338,10 +338,16 @@ def _slice_shape(slot: ParamSlot, param_shape: torch.Size) -> tuple[int, ...]:
     return tuple(slot.view or param_shape)[1:]
 
 
+def _sliced(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> bool:
+    """Whether the unit holds a slice of ``tensor``: a stacked tensor shaped like its parameter. State that is
+    not (a scalar step) is shared whole by the parameter's experts."""
+    return slot.index is not None and tensor.dim() > 0 and tensor.shape[0] == param_shape[0]
+
+
 def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> torch.Tensor:
-    """The expert's slice of a stacked tensor (through its ``[E, I, ...]`` view when flattened); state that is
-    not shaped like the parameter (a scalar step) is shared."""
-    if slot.index is None or tensor.dim() == 0 or tensor.shape[0] != param_shape[0]:
+    """The expert's slice of a stacked tensor (through its ``[E, I, ...]`` view when flattened), or the whole
+    tensor when it is not sliced (see :func:`_sliced`)."""
+    if not _sliced(tensor, slot, param_shape):
         return tensor
     return (tensor.view(slot.view) if slot.view else tensor)[slot.index]
 
@@ -426,6 +432,8 @@ def build_layout(
         num_experts: global experts per MoE layer; defaults to the experts found here times ``expert_parallel``.
         expert_parallel: how many ranks the experts of a layer are spread over (the EP degree).
     """
+    if expert_parallel < 1:
+        raise ValueError(f"expert_parallel must be >= 1 (the ranks a layer's experts are on), got {expert_parallel}")
     patterns = _compile(preset)
     params = dict(model.named_parameters())
     matches, views, routers = _expert_claims(

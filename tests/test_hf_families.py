@@ -31,6 +31,8 @@ transformers = pytest.importorskip(
 )
 
 VOCAB, SEQ, BATCH = 64, 16, 4
+N = 8
+"""Experts per MoE layer, in every family."""
 CRASH_AFTER = 7
 """Snapshots and persists every 2 steps, of 4 of the 8 experts of each layer: at the crash, half the experts
 are from step 6 and half from step 4, so the tokens the older half received in steps 5 and 6 are lost."""
@@ -72,7 +74,6 @@ class Family:
     """MoE layer prefix -> the expert parameters under it (names relative to the prefix), in model order."""
     routers: dict[str, str]
     """MoE layer prefix -> its router module."""
-    num_experts: int
     route: Route
 
 
@@ -103,7 +104,7 @@ def _layers(prefixes: tuple[str, ...], leaf: str, experts: tuple[str, ...], rout
 
 
 def _family(build: Callable[[], nn.Module], layers: tuple[dict, dict], route: Route) -> Family:
-    return Family(build, layers[0], layers[1], 8, route)
+    return Family(build, *layers, route)
 
 
 FAMILIES: dict[str, Family] = {
@@ -133,10 +134,10 @@ FAMILIES: dict[str, Family] = {
         _hf("SwitchTransformersConfig", d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
             num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_heads=4, num_experts=8,
             expert_capacity=64, router_jitter_noise=0.0, dropout_rate=0.0, decoder_start_token_id=0),
-        {p: tuple(f"experts.expert_{e}.{w}.weight" for e in range(8) for w in ("wi", "wo"))
+        {p: tuple(f"experts.expert_{e}.{w}.weight" for e in range(N) for w in ("wi", "wo"))
          for p in ("encoder.block.1.layer.1.mlp", "decoder.block.1.layer.2.mlp")},
         {p: f"{p}.router" for p in ("encoder.block.1.layer.1.mlp", "decoder.block.1.layer.2.mlp")},
-        8, lambda router, args, output: output[2].reshape(-1, 8).argmax(-1, keepdim=True),
+        lambda router, args, output: output[2].reshape(-1, N).argmax(-1, keepdim=True),
     ),
     "granitemoe": _family(
         _hf("GraniteMoeConfig", intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, **LLAMA_LIKE),
@@ -147,11 +148,13 @@ FAMILIES: dict[str, Family] = {
             intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64),
         {f"model.layers.{l}.{m}": ("input_linear.weight", "output_linear.weight")
          for l in (0, 1) for m in ("mlp", "self_attention.experts")},
-        {f"model.layers.{l}.{m}": f"model.layers.{l}.{m}.router" for l in (0, 1) for m in ("mlp", "self_attention.experts")},
-        8, top_k_of_logits(2, at=4),
+        {f"model.layers.{l}.{m}": f"model.layers.{l}.{m}.router"
+         for l in (0, 1) for m in ("mlp", "self_attention.experts")},
+        top_k_of_logits(2, at=4),
     ),
     "dbrx": _family(  # experts flattened [E*I, H]
-        _hf("DbrxConfig", d_model=32, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
+        _hf("DbrxConfig", d_model=32, n_heads=4, n_layers=2, max_seq_len=64,  # rope_theta, clip_qkv: 5.24 needs them
+            attn_config={"kv_n_heads": 2, "rope_theta": 1e4, "clip_qkv": 8.0},
             ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2}),
         _layers(("transformer.blocks.0", "transformer.blocks.1"), "ffn", ("experts.mlp.w1", "experts.mlp.v1",
                 "experts.mlp.w2"), "router"), top_k_of_logits(2),
@@ -175,12 +178,12 @@ def test_detected_experts_are_the_familys_experts(name: str) -> None:
     }
     assert found == {prefix: sorted(f"{prefix}.{p}" for p in params) for prefix, params in family.experts.items()}
     assert [(layer.prefix, layer.router) for layer in layout.moe_layers] == list(family.routers.items())
-    assert {layer.num_experts for layer in layout.moe_layers} == {family.num_experts}
+    assert {layer.num_experts for layer in layout.moe_layers} == {N}
     expert_params = {s.param for u in layout.expert_units for s in layout.slots[u]}
     for param_name, param in model.named_parameters():  # each expert tensor is split into N slices, no more
         if param_name in expert_params:
             owners = [u for u in layout.expert_units if any(s.param == param_name for s in layout.slots[u])]
-            assert len(owners) in (1, family.num_experts), param_name
+            assert len(owners) in (1, N), param_name
 
 
 class Wrapped(L.LightningModule):
@@ -219,7 +222,7 @@ class HandCount(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         prefixes = list(self.family.routers)
-        self._pending = [torch.zeros(self.family.num_experts, dtype=torch.int64) for _ in prefixes]
+        self._pending = [torch.zeros(self.N, dtype=torch.int64) for _ in prefixes]
         self._pending_assigned = [0] * len(prefixes)
         for i, prefix in enumerate(prefixes):
             module.get_submodule(f"model.{self.family.routers[prefix]}").register_forward_hook(self._hook(i))
@@ -228,7 +231,7 @@ class HandCount(L.Callback):
         def hook(router: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if router.training:
                 chosen = self.family.route(router, args, output)
-                self._pending[layer] += torch.bincount(chosen.reshape(-1), minlength=self.family.num_experts)
+                self._pending[layer] += torch.bincount(chosen.reshape(-1), minlength=self.N)
                 self._pending_assigned[layer] += chosen.numel()
 
         return hook
@@ -277,7 +280,7 @@ def test_fault_plt_is_the_hand_count_and_resume_is_bitwise(tmp_path: Path, name:
     resume = report.resume_step
     assert resume == 6
     sources = {key: source["step"] for key, source in report.sources.items()}
-    experts = [(layer, e) for layer in range(len(family.routers)) for e in range(family.num_experts)]
+    experts = [(layer, e) for layer in range(len(family.routers)) for e in range(N)]
     assert sorted(sources[f"expert/L{layer}/E{e}"] for layer, e in experts) == [4] * (len(experts) // 2) + [6] * (
         len(experts) // 2
     )
@@ -287,7 +290,7 @@ def test_fault_plt_is_the_hand_count_and_resume_is_bitwise(tmp_path: Path, name:
     for layer in range(len(family.routers)):
         lost = sum(
             int(first.counts[t][layer][e])
-            for e in range(family.num_experts)
+            for e in range(N)
             for t in range(sources[f"expert/L{layer}/E{e}"] + 1, resume + 1)
         )
         lost_share.append(lost / sum(first.assigned[t][layer] for t in range(1, resume + 1)))

@@ -73,8 +73,10 @@ class TitanMoE(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, n_layers: int = 2, num_experts: int = 8, top_k: int = 2) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.RMSNorm(dim), "moe": MoE(dim, 2 * dim, num_experts, top_k)})
-                                    for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"norm": nn.RMSNorm(dim), "moe": MoE(dim, 2 * dim, num_experts, top_k)})
+            for _ in range(n_layers)
+        )
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
