@@ -222,7 +222,7 @@ class HandCount(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         prefixes = list(self.family.routers)
-        self._pending = [torch.zeros(self.N, dtype=torch.int64) for _ in prefixes]
+        self._pending = [torch.zeros(N, dtype=torch.int64) for _ in prefixes]
         self._pending_assigned = [0] * len(prefixes)
         for i, prefix in enumerate(prefixes):
             module.get_submodule(f"model.{self.family.routers[prefix]}").register_forward_hook(self._hook(i))
@@ -231,7 +231,7 @@ class HandCount(L.Callback):
         def hook(router: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if router.training:
                 chosen = self.family.route(router, args, output)
-                self._pending[layer] += torch.bincount(chosen.reshape(-1), minlength=self.N)
+                self._pending[layer] += torch.bincount(chosen.reshape(-1), minlength=N)
                 self._pending_assigned[layer] += chosen.numel()
 
         return hook
