@@ -169,3 +169,32 @@ def test_options_that_need_plt_are_refused_without_router_counts(tmp_path: Path,
     name = "checkpoint.dynamic_k.enabled=true" if "dynamic_k" in option else "checkpoint.selection=load_aware"
     with pytest.raises(ValueError, match=rf"{name} need\(s\) router counts .* PLT is unknown: .*model\.moe: no router"):
         trainer.fit(UnroutedModule())
+
+
+class TitanWithBlocks(L.LightningModule):
+    """``moe_layers()`` returns the model's MoE blocks, which report no counts (and have no ``num_experts``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TitanMoE()
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer["moe"] for layer in self.model.layers]
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0], batch[0]).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+
+
+def test_moe_layers_without_counts_are_counted_by_their_routers(tmp_path: Path) -> None:
+    moc = MoCCheckpoint(moc_config(tmp_path, k_snapshot=2, k_persist=1, every_n_train_steps=3))
+    cpu_trainer(tmp_path / "run", 3, [moc]).fit(TitanWithBlocks())
+    since_start = moc.engine.pec.ledger.tokens_since([[-1] * 8, [-1] * 8])
+    assert [int(t.sum()) for t in since_start] == [3 * 4 * 16 * 2] * 2, "3 steps x 64 tokens x top-2, per layer"
