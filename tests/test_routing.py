@@ -90,6 +90,21 @@ def test_a_layer_that_reports_its_counts_is_read_without_moe_layers() -> None:
     assert [c.tokens_assigned for c in counts] == [2 * 2 * 32 * 2] * 2
 
 
+def test_a_router_output_with_no_routing_in_it_makes_plt_unknown_not_zero() -> None:
+    model = nn.Module()
+    model.moe = nn.Module()
+    model.moe.router = nn.Linear(4, 4)
+    model.moe.router.top_k = 1
+    model.moe.experts = nn.Module()
+    model.moe.experts.w = nn.Parameter(torch.zeros(4, 4, 4))
+    tap = RouterTap(model, build_layout(model, None))
+    assert tap.unknown == {} and tap.take() is not None
+    model.moe.router.register_forward_hook(lambda module, args, output: output[:, :3], prepend=True)  # not N wide
+    model.moe.router(torch.zeros(2, 4))
+    assert tap.take() is None
+    assert "router 'moe.router' returned torch.float32 [2, 3]" in tap.unknown["moe"]
+
+
 class Unrouted(nn.Module):
     """Stacked experts whose router is called ``selector``: nothing names it a router."""
 
