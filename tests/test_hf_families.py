@@ -10,6 +10,7 @@ the state it had at its unit's source step.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,13 +242,14 @@ class HandCount(L.Callback):
         self.shared = _shared_states(build_layout(module, trainer.optimizers[0]).tensors())
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        # every persist done before the next step: what storage holds does not depend on timing
+        next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.finish()
         step = trainer.global_step
         self.counts[step], self.assigned[step] = self._pending, self._pending_assigned
         self._pending = [torch.zeros_like(c) for c in self._pending]
         self._pending_assigned = [0] * len(self._pending)
         self.states[step] = _state(trainer, module)
         if step == self.crash_after:
-            next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.finish()
             raise Crash(f"killed after step {step}")
 
 
@@ -268,17 +270,21 @@ def _fit(tmp_path: Path, family: Family, max_steps: int, recorder: L.Callback) -
     return moc
 
 
+@pytest.mark.parametrize("level", ["memory_local", "storage"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_fault_plt_is_the_hand_count_and_resume_is_bitwise(tmp_path: Path, name: str) -> None:
+def test_fault_plt_is_the_hand_count_and_resume_is_bitwise(tmp_path: Path, name: str, level: str) -> None:
+    """From the crashed process's snapshots, or (its node's shared memory lost) from storage alone."""
     family = FAMILIES[name]
     first = HandCount(family, crash_after=CRASH_AFTER)
     _fit(tmp_path, family, 20, first)
+    if level == "storage":
+        shutil.rmtree(tmp_path / "shm")
     second = HandCount(family, crash_after=None)
     moc = _fit(tmp_path, family, CRASH_AFTER + 1, second)
 
     report = moc.recovery
     resume = report.resume_step
-    assert resume == 6
+    assert resume == 6 and {source["level"] for source in report.sources.values()} == {level}
     sources = {key: source["step"] for key, source in report.sources.items()}
     experts = [(layer, e) for layer in range(len(family.routers)) for e in range(N)]
     assert sorted(sources[f"expert/L{layer}/E{e}"] for layer, e in experts) == [4] * (len(experts) // 2) + [6] * (
