@@ -17,15 +17,18 @@ rank captured with the resume step (:mod:`moc_lightning.trainer_state`: loops an
 position, optimizer hyperparameters, schedulers, precision plugin, datamodule, other callbacks, what the
 module and callbacks add in ``on_save_checkpoint``, and this rank's RNG, set just before the next step).
 
-The LightningModule tells the callback about its experts through two optional members: ``moe_layers()``
-(MoE layers whose routers report ``tokens_per_expert``/``tokens_assigned``; without it PLT is not measured)
-and ``expert_topology`` (an :class:`ExpertParallelTopology`; without it every rank holds every expert).
+Router counts for PLT come from the LightningModule's ``moe_layers()`` when it has one (objects reporting
+``tokens_per_expert``/``tokens_assigned``), else from forward hooks on each MoE layer or its router
+(:mod:`moc_lightning.routing`); where neither exists PLT is unknown, one warning says so, and options that
+need it (Dynamic-K, load-aware selection) are refused. ``expert_topology`` (an
+:class:`ExpertParallelTopology`) is the other optional member; without it every rank holds every expert.
 How it stands beside ``enable_checkpointing`` and a ``ModelCheckpoint``: :mod:`moc_lightning.coexistence`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
@@ -51,6 +55,7 @@ from moc_lightning.layout import build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.routing import TokenSource, token_source, unknown_message
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.start import agreed_manifest, begin_lineage
 from moc_lightning.storage import make_storage
@@ -78,6 +83,9 @@ class MoCCheckpoint(Checkpoint):
         self._fresh_start = False
         self._rng_to_restore: dict[str, Any] | None = None
         self._warned_not_resumable = False
+        self.tokens: TokenSource | None = None
+        """Where each step's router counts come from (set with the engine)."""
+        self._said_unknown = False
 
     # ------------------------------------------------------------ resuming
     def resume_target(self, default_root_dir: str | Path | None = None) -> str | None:
@@ -125,7 +133,10 @@ class MoCCheckpoint(Checkpoint):
         """Create the engine once per process (the persist process group is collective to create)."""
         topology = getattr(pl_module, "expert_topology", None) or _replicated_topology()
         check_other_checkpoints(self._trainer, self, topology.ep, local_path(self.config.storage.url))
-        layout = build_layout(pl_module, optimizer, preset=self.layout_preset, num_experts=_num_experts(pl_module))
+        layout = build_layout(pl_module, optimizer, preset=self.layout_preset, expert_parallel=topology.ep)
+        if self.tokens is None:
+            self.tokens = token_source(pl_module, layout)
+            self._check_counts()
         if self.engine is not None:
             self.engine.pec.attach(layout)
             return
@@ -146,6 +157,30 @@ class MoCCheckpoint(Checkpoint):
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
 
+    def _check_counts(self) -> None:
+        """Once PLT turns out unknown: refuse the options that need it, else warn once."""
+        unknown = self.tokens.unknown
+        if not unknown or self._said_unknown:
+            return
+        needs = [
+            option for option, on in (
+                ("checkpoint.dynamic_k.enabled=true", self.config.dynamic_k.enabled),
+                ("checkpoint.selection=load_aware", self.config.selection == "load_aware"),
+            ) if on
+        ]
+        if needs:
+            raise ValueError(
+                f"{' and '.join(needs)} need(s) router counts (Dynamic-K reacts to PLT, load-aware selection "
+                f"ranks experts by tokens), but {unknown_message(unknown)}; or turn the option(s) off"
+            )
+        self._said_unknown = True
+        rank_zero_warn(unknown_message(unknown))
+
+    @property
+    def plt_known(self) -> bool:
+        """Whether PLT is measured: every MoE layer's router counts are known."""
+        return self.tokens is not None and not self.tokens.unknown
+
     def restore(self) -> dict[str, Any]:
         """Two-level recovery, returned as the checkpoint dict Lightning restores loops and optimizers from.
 
@@ -165,8 +200,8 @@ class MoCCheckpoint(Checkpoint):
         report = engine.recover(manifest)
         if report is None:
             return self._fresh_checkpoint(module, "no consistent state of this run survives in memory or storage")
-        self.recovery = report
-        self._write_recovery_report(report)
+        self.recovery = report if self.plt_known else dataclasses.replace(report, plt=None)
+        self._write_recovery_report(self.recovery)
         checkpoint = dict(report.trainer_state or {})
         if report.trainer_state_rank not in (None, self.engine.rank):  # another rank's stands in for a lost one
             checkpoint[trainer_state.RNG_KEY] = trainer_state.derived_rng_states(report.resume_step, self.engine.rank)
@@ -206,10 +241,13 @@ class MoCCheckpoint(Checkpoint):
             levels: dict[str, int] = {}
             for source in report.sources.values():
                 levels[source["level"]] = levels.get(source["level"], 0) + 1
+            plt, accumulated = (
+                (f"{report.plt:.4%}", f"{self.engine.pec.ledger.accumulated_plt:.4%}")
+                if report.plt is not None else ("unknown (no router counts)", "unknown")
+            )
             print(
                 f"[moc_lightning] recovered to step {report.resume_step} in {report.recover_seconds:.2f}s: "
-                f"units by source {levels}, PLT of this fault {report.plt:.4%}, "
-                f"accumulated PLT {self.engine.pec.ledger.accumulated_plt:.4%}, "
+                f"units by source {levels}, PLT of this fault {plt}, accumulated PLT {accumulated}, "
                 f"K now {self.engine.pec.dynamic_k.k_snapshot}/{self.engine.pec.dynamic_k.k_persist}"
             )
 
@@ -230,8 +268,11 @@ class MoCCheckpoint(Checkpoint):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self.engine
-        if hasattr(pl_module, "moe_layers"):
-            engine.pec.record_tokens(pl_module.moe_layers())
+        counts = self.tokens.take()
+        if counts is None:
+            self._check_counts()  # a router whose output turned out unreadable
+        else:
+            engine.pec.record_tokens(counts)
         step = trainer.global_step
         if not self._slots_sized:
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
@@ -259,10 +300,11 @@ class MoCCheckpoint(Checkpoint):
                 "moc/snapshot_bytes": float(stats.snapshot_bytes[-1]),
                 "moc/k_snapshot": float(engine.pec.dynamic_k.k_snapshot),
                 "moc/k_persist": float(engine.pec.dynamic_k.k_persist),
-                "moc/plt": engine.pec.ledger.accumulated_plt,
                 "moc/skipped_persists": float(stats.skipped_persists),
                 "moc/failed_persists": float(stats.failed_persists),
             }
+            if self.plt_known:  # an unknown PLT is not logged at all, rather than as 0
+                metrics["moc/plt"] = engine.pec.ledger.accumulated_plt
             if stats.persist_reports:
                 metrics["moc/persist_ms"] = stats.persist_reports[-1].seconds * 1000
                 metrics["moc/persist_bytes"] = float(stats.persist_reports[-1].bytes_written)
@@ -283,6 +325,11 @@ class MoCCheckpoint(Checkpoint):
             print(self.summary())
         if self.config.remove_snapshots_on_fit_end:
             self._remove_snapshots()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.tokens is not None:
+            self.tokens.close()
+            self.tokens = None
 
     def _last_step_state(self, trainer: L.Trainer) -> dict[str, Any]:
         """The trainer state as of the end of the last step, as a snapshot there holds it. Captured now it
@@ -437,7 +484,3 @@ def _replicated_topology() -> ExpertParallelTopology:
         return ExpertParallelTopology(world_size=dist.get_world_size(), rank=dist.get_rank(), ep=1)
     return ExpertParallelTopology()
 
-
-def _num_experts(pl_module: L.LightningModule) -> int | None:
-    layers = pl_module.moe_layers() if hasattr(pl_module, "moe_layers") else []
-    return layers[0].num_experts if layers else None

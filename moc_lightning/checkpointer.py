@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -687,18 +687,21 @@ class PECCheckpointer:
             if isinstance(meta, TensorStorageMetadata)
         }
 
-    def load_from_storage(self, sources: Mapping[Unit, CheckpointRecord]) -> None:
+    def load_from_storage(self, sources: Mapping[Unit, CheckpointRecord], skip: Collection[str] = ()) -> None:
         """Load every held unit in ``sources`` from its checkpoint, one collective DCP load per checkpoint.
 
         ``sources`` must be the same on every rank (it comes from the shared manifest): each rank loads the
         units it holds, under whatever world size and EP degree wrote them. Optimizer state is loaded where
         the checkpoint has it (a parameter saved without state has none to load); a weight or buffer it
-        lacks is damage.
+        lacks is damage. Keys in ``skip`` are not loaded (a shared state another source provides).
         """
         for record in sorted(set(sources.values()), key=lambda r: r.step):
             wanted = [u for u in self.layout.units if sources.get(u) is record]
             stored = self._stored_tensors(record)
-            tensors = {k: t for k, t in self.layout.tensors(wanted).items() if k in stored or "/optim/" not in k}
+            tensors = {
+                k: t for k, t in self.layout.tensors(wanted).items()
+                if (k in stored or "/optim/" not in k) and k not in skip
+            }
             try:
                 dcp.load(
                     tensors,

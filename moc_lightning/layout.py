@@ -17,6 +17,12 @@ name inside the expert. A pattern without an ``expert`` group matches a *stacked
 positions, Megatron ``local_experts.{i}``, DeepSpeed ``deepspeed_experts.{i}``) into global ids; the
 reference model already names experts by global id, so it needs the default offset 0.
 
+A stacked claim must be consistent, or it is not experts: every ``[E, ...]`` tensor of the layer has the same
+E on dim 0, and the layer's router (a module named ``router``, ``gate`` or ``gating`` below the layer, holding
+a 2-D weight) has one output per expert. A tensor whose dim 0 is a multiple of the router's E is a flattened
+stack ``[E*I, ...]`` (DBRX) and is sliced through the view ``[E, I, ...]``. A 1-D tensor is an expert slice
+only beside expert matrices of the same E, so a bias vector of the hidden size is never taken for experts.
+
 Non-expert parameters form dense units at layer granularity: the module one level below the MoE layer
 (its router) or below the transformer block (the first integer-indexed module in the name: attention,
 FFN, norms), and otherwise the parameter's own module (embeddings, final norm, head).
@@ -37,20 +43,28 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from moc_lightning.claims import Router, find_router, no_experts_error, stacked_views
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 PER_MODULE_PATTERNS: tuple[str, ...] = (
     # reference model (moe.experts.{e}.fc.weight), Mixtral (block_sparse_moe.experts.{e}.w1.weight),
-    # Qwen-MoE / DeepSeek (mlp.experts.{e}.gate_proj.weight)
+    # Qwen-MoE / DeepSeek (mlp.experts.{e}.gate_proj.weight), in transformers 4.x
     r"(?P<layer>.+?)\.experts\.(?P<expert>\d+)\.",
+    # Switch Transformers (mlp.experts.expert_{e}.wi.weight)
+    r"(?P<layer>.+?)\.experts\.expert_(?P<expert>\d+)\.",
     # DeepSpeed-MoE
     r"(?P<layer>.+?\.deepspeed_moe)\.experts\.deepspeed_experts\.(?P<expert>\d+)\.",
     # Megatron-LM SequentialMLP
     r"(?P<layer>.+?)\.experts\.local_experts\.(?P<expert>\d+)\.",
 )
 STACKED_PATTERNS: tuple[str, ...] = (
-    # a parameter held directly by an ``experts`` module with leading dim E (grouped GEMM, HF fused experts)
+    # a parameter held directly by an ``experts`` module with leading dim E (grouped GEMM, transformers 5.x
+    # fused experts: Mixtral, Qwen-MoE, DeepSeek-V3, GraniteMoe; torchtitan's w1/w2/w3)
     r"(?P<layer>.+?)\.experts\.(?=[^.]+$)",
+    # DBRX: ffn.experts.mlp.{w1,v1,w2}, flattened [E*I, H]
+    r"(?P<layer>.+?)\.experts\.mlp\.(?=[^.]+$)",
+    # JetMoe (mlp and self_attention.experts) and GraniteMoe 4.x: {input,output}_linear.weight, [E, out, in]
+    r"(?P<layer>.+?)\.(?=(?:input|output)_linear\.weight$)",
 )
 PRESETS: Mapping[str, tuple[str, ...]] = {
     "auto": PER_MODULE_PATTERNS + STACKED_PATTERNS,
@@ -78,6 +92,9 @@ class ParamSlot:
     """Position along dim 0 of a stacked ``[E, ...]`` parameter; ``None`` when the unit owns it whole."""
     buffer: bool = False
     """A persistent buffer: saved and restored with the unit, no optimizer state."""
+    view: tuple[int, ...] | None = None
+    """Shape a flattened stacked tensor ``[E*I, ...]`` is viewed as (``[E, I, ...]``) before slice ``index``
+    is taken; ``None`` when dim 0 is already the expert dim."""
 
     @property
     def is_view(self) -> bool:
@@ -95,6 +112,9 @@ class MoeLayer:
     """Global number of experts N."""
     local_experts: tuple[int, ...]
     """Global ids of the experts whose parameters live on this rank."""
+    router: str | None = None
+    """Module name of the layer's router (``...mlp.gate``), found by name (:func:`claims.find_router`); ``None``
+    when the layer has none that a name shows. :mod:`moc_lightning.routing` counts tokens there."""
 
 
 @dataclass(frozen=True)
@@ -194,12 +214,26 @@ class Layout:
         for slot in self.slots[unit]:
             if slot.buffer:
                 buffer = self.buffers[slot.param]
-                yield buffer_key(unit, slot.local_name), _take(buffer, slot.index, buffer.shape), "buffer"
+                yield buffer_key(unit, slot.local_name), _take(buffer, slot, buffer.shape), "buffer"
                 continue
             param = self.params[slot.param]
-            yield param_key(unit, slot.local_name), _take(param.detach(), slot.index, param.shape), "weight"
+            yield param_key(unit, slot.local_name), _take(param.detach(), slot, param.shape), "weight"
             for state_name, value in self._state(slot.param).items():
-                yield state_key(unit, slot.local_name, state_name), _take(value, slot.index, param.shape), "optimizer"
+                yield state_key(unit, slot.local_name, state_name), _take(value, slot, param.shape), "optimizer"
+
+    def shared_state_keys(self, units: Iterable[Unit]) -> dict[str, tuple[str, str]]:
+        """Optimizer-state keys of ``units`` whose tensor all experts of a stacked parameter share (not sliced:
+        Adam's scalar ``step``), each with ``(parameter, state name)``: the keys that hold one tensor."""
+        shared = {}
+        for unit in units:
+            for slot in self.slots[unit]:
+                if slot.buffer or slot.index is None:
+                    continue
+                shape = self.params[slot.param].shape
+                for name, value in self._state(slot.param).items():
+                    if not _sliced(value, slot, shape):
+                        shared[state_key(unit, slot.local_name, name)] = (slot.param, name)
+        return shared
 
     def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded tensors into the live parameters and optimizer state, in place.
@@ -254,8 +288,8 @@ class Layout:
             fresh = {}
             for state_name, (slot, (shape, dtype)) in states.items():
                 scalar = len(shape) == 0 and state_name in scalars
-                if slot.index is not None and len(shape) == param.dim() - 1 and not scalar:
-                    shape = (param.shape[0], *shape)  # an expert's slice of a stacked state
+                if slot.index is not None and tuple(shape) == _slice_shape(slot, param.shape) and not scalar:
+                    shape = tuple(param.shape)  # an expert's slice of a stacked state
                 group = groups.get(param, {})
                 on_param = not scalar or group.get("capturable") or group.get("fused")
                 fresh[state_name] = torch.zeros(shape, dtype=dtype, device=param.device if on_param else "cpu")
@@ -292,16 +326,30 @@ def _scalar_state_names(
     names = set()
     for name, states in wanted.items():
         for state_name, (slot, (shape, _)) in states.items():
-            if len(shape) == 0 and params[name].dim() - (slot.index is not None) > 0:
+            if len(shape) == 0 and len(_slice_shape(slot, params[name].shape)) > 0:
                 names.add(state_name)
     return names
 
 
-def _take(tensor: torch.Tensor, index: int | None, param_shape: torch.Size) -> torch.Tensor:
-    """The expert's slice of a stacked tensor; state that is not ``[E, ...]`` (a scalar step) is shared."""
-    if index is None or tensor.dim() == 0 or tensor.shape[0] != param_shape[0]:
+def _slice_shape(slot: ParamSlot, param_shape: torch.Size) -> tuple[int, ...]:
+    """Shape of the unit's part of the parameter: the whole parameter, or one expert's slice of it."""
+    if slot.index is None:
+        return tuple(param_shape)
+    return tuple(slot.view or param_shape)[1:]
+
+
+def _sliced(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> bool:
+    """Whether the unit holds a slice of ``tensor``: a stacked tensor shaped like its parameter. State that is
+    not (a scalar step) is shared whole by the parameter's experts."""
+    return slot.index is not None and tensor.dim() > 0 and tensor.shape[0] == param_shape[0]
+
+
+def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> torch.Tensor:
+    """The expert's slice of a stacked tensor (through its ``[E, I, ...]`` view when flattened), or the whole
+    tensor when it is not sliced (see :func:`_sliced`)."""
+    if not _sliced(tensor, slot, param_shape):
         return tensor
-    return tensor[index]
+    return (tensor.view(slot.view) if slot.view else tensor)[slot.index]
 
 
 @dataclass(frozen=True)
@@ -373,6 +421,7 @@ def build_layout(
     preset: str | Sequence[str] = "auto",
     expert_offset: ExpertOffset = 0,
     num_experts: int | None = None,
+    expert_parallel: int = 1,
 ) -> Layout:
     """Map every named parameter of ``model`` (and its optimizer state) to exactly one unit.
 
@@ -380,16 +429,18 @@ def build_layout(
         preset: ``"auto"``, ``"per_module"``, ``"stacked"``, a custom regular expression, or a sequence of
             regular expressions (see the module docstring for the group names).
         expert_offset: global id of local expert 0 (per MoE layer prefix when a callable).
-        num_experts: global experts per MoE layer; defaults to the experts found here (no expert parallelism).
+        num_experts: global experts per MoE layer; defaults to the experts found here times ``expert_parallel``.
+        expert_parallel: how many ranks the experts of a layer are spread over (the EP degree).
     """
+    if expert_parallel < 1:
+        raise ValueError(f"expert_parallel must be >= 1 (the ranks a layer's experts are on), got {expert_parallel}")
     patterns = _compile(preset)
     params = dict(model.named_parameters())
-    matches = {name: m for name in params if (m := _match(name, patterns))}
+    matches, views, routers = _expert_claims(
+        {name: m for name in params if (m := _match(name, patterns))}, params, num_experts, expert_parallel
+    )
     if not matches:
-        raise ValueError(
-            f"no expert parameters found with preset {preset!r} among {len(params)} parameters "
-            f"(first: {list(params)[:5]}); choose one of {sorted(PRESETS)} or give a regular expression"
-        )
+        raise no_experts_error(preset, list(params), PRESETS)
     prefixes = list(dict.fromkeys(m.layer_prefix for m in matches.values()))
     layer_of = {prefix: i for i, prefix in enumerate(prefixes)}
 
@@ -400,11 +451,13 @@ def build_layout(
             slots.setdefault(unit, []).append(ParamSlot(name, name[len(unit.name) :].lstrip(".") or name))
             continue
         offset = _offset(expert_offset, m.layer_prefix)
-        for local_id, index in _placements(name, param, m):
+        for local_id, index in _placements(name, param, m, views.get(name)):
             unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
-            slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index))
+            slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index, view=views.get(name)))
 
-    moe_layers = tuple(_moe_layer(i, prefix, slots, num_experts) for i, prefix in enumerate(prefixes))
+    moe_layers = tuple(
+        _moe_layer(i, prefix, slots, num_experts, expert_parallel, routers[prefix]) for i, prefix in enumerate(prefixes)
+    )
     buffers = _persistent_buffers(model)
     for name, buffer in buffers.items():
         for unit, slot in _buffer_slots(name, buffer, patterns, moe_layers, expert_offset):
@@ -417,6 +470,28 @@ def build_layout(
         optimizer=optimizer,
         buffers=buffers,
     )
+
+
+def _expert_claims(
+    found: Mapping[str, _Match], params: Mapping[str, nn.Parameter], num_experts: int | None, expert_parallel: int
+) -> tuple[dict[str, _Match], dict[str, tuple[int, ...] | None], dict[str, Router | None]]:
+    """The matches that are experts (per-module ones, and stacked ones that pass :func:`stacked_views`), the
+    view of each stacked one, and each MoE layer's router."""
+    shapes = {name: param.shape for name, param in params.items()}
+    kept: dict[str, _Match] = {}
+    views: dict[str, tuple[int, ...] | None] = {}
+    routers: dict[str, Router | None] = {}
+    for prefix in dict.fromkeys(m.layer_prefix for m in found.values()):
+        names = [name for name, m in found.items() if m.layer_prefix == prefix]
+        router = find_router(prefix, shapes, found)
+        stacked = {name: shapes[name] for name in names if found[name].local_index is None}
+        layer_views = stacked_views(prefix, stacked, router, num_experts, expert_parallel) if stacked else {}
+        experts = [name for name in names if found[name].local_index is not None or name in layer_views]
+        if experts:
+            kept.update({name: found[name] for name in experts})
+            views.update(layer_views)
+            routers[prefix] = router
+    return kept, views, routers
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -455,16 +530,25 @@ def _buffer_slots(
     return [(unit, ParamSlot(name, name[len(unit.name) :].lstrip(".") or name, buffer=True))]
 
 
-def _placements(name: str, param: nn.Parameter, m: _Match) -> list[tuple[int, int | None]]:
+def _placements(
+    name: str, param: nn.Parameter, m: _Match, view: tuple[int, ...] | None
+) -> list[tuple[int, int | None]]:
     """``(local expert id, slice index)`` of each expert holding a part of expert parameter ``name``."""
     if m.local_index is not None:
         return [(m.local_index, None)]
     if param.dim() == 0:
         raise ValueError(f"stacked expert parameter {name!r} is a scalar; it needs a leading expert dim [E, ...]")
-    return [(i, i) for i in range(param.shape[0])]
+    return [(i, i) for i in range((view or param.shape)[0])]
 
 
-def _moe_layer(index: int, prefix: str, slots: Mapping[Unit, list[ParamSlot]], num_experts: int | None) -> MoeLayer:
+def _moe_layer(
+    index: int,
+    prefix: str,
+    slots: Mapping[Unit, list[ParamSlot]],
+    num_experts: int | None,
+    expert_parallel: int,
+    router: Router | None,
+) -> MoeLayer:
     experts = {
         u.expert: {s.local_name for s in unit_slots}
         for u, unit_slots in slots.items()
@@ -477,13 +561,15 @@ def _moe_layer(index: int, prefix: str, slots: Mapping[Unit, list[ParamSlot]], n
             f"experts of MoE layer {prefix!r} hold different parameters {sorted(shapes)}; stacked tensors must "
             "share their leading dim E and every expert module must have the same parameters"
         )
-    n = len(local) if num_experts is None else num_experts
+    n = len(local) * expert_parallel if num_experts is None else num_experts
     if local[-1] >= n:
         raise ValueError(
             f"MoE layer {prefix!r} has global expert ids {list(local)} but num_experts={n}; ids must be in "
-            "[0, num_experts) (check num_experts and expert_offset)"
+            "[0, num_experts) (check num_experts, expert_parallel and expert_offset)"
         )
-    return MoeLayer(index=index, prefix=prefix, num_experts=n, local_experts=local)
+    return MoeLayer(
+        index=index, prefix=prefix, num_experts=n, local_experts=local, router=router.module if router else None
+    )
 
 
 def _check_unique_keys(slots: Mapping[Unit, list[ParamSlot]]) -> None:

@@ -30,7 +30,7 @@ import math
 import shutil
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +48,7 @@ from moc_lightning.lineage import Lineage
 from moc_lightning.manifest import Manifest
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
-from moc_lightning.layout import TensorSpec
+from moc_lightning.layout import Layout, TensorSpec
 from moc_lightning.snapshot import NUM_SLOTS, SlotEntry, SlotMeta, SnapshotStore
 from moc_lightning.storage import find_cause
 from moc_lightning.units import ExpertUnit, Unit, parse_unit
@@ -96,7 +96,8 @@ class RecoveryReport:
     """A two-level recovery as this rank saw it."""
 
     resume_step: int
-    plt: float
+    plt: float | None
+    """PLT of this fault (eq. 7); ``None`` when it is unknown (no router counts: see :mod:`moc_lightning.routing`)."""
     sources: dict[str, dict[str, Any]]
     """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int, "rank": slot owner or None}``."""
     recover_seconds: float
@@ -454,9 +455,10 @@ class TwoLevelCheckpointer:
         in_memory = self._memory_specs(plan, by_slot)
         restored = [parse_unit(key) for key, src in plan.sources.items() if src.level != "none"]
         pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
-        self._restore_from_memory(plan, by_slot, in_memory)
+        stale = _stale_shared_state(pec.layout, restored, plan)
+        self._restore_from_memory(plan, by_slot, in_memory, stale)
         self.faults.at("recovery", plan.resume_step)
-        pec.load_from_storage(stored)
+        pec.load_from_storage(stored, stale)
         restored_from = [
             [plan.sources[ExpertUnit(layer, e).key].step for e in range(n)]
             for layer, n in enumerate(pec.layout.num_experts)
@@ -523,11 +525,16 @@ class TwoLevelCheckpointer:
         return {k: (tuple(e.shape), e.torch_dtype) for part in parts for k, e in part.items()}
 
     def _restore_from_memory(
-        self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta], specs: Mapping[str, TensorSpec]
+        self,
+        plan: RecoveryPlan,
+        by_slot: Mapping[int, SlotMeta],
+        specs: Mapping[str, TensorSpec],
+        skip: Collection[str] = (),
     ) -> None:
         """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in.
 
         ``specs`` (from :meth:`_memory_specs`) names each unit's tensors and their sizes on every rank alike.
+        Keys in ``skip`` are not copied in (a shared state another source provides).
         """
         layout = self.pec.layout
         by_unit: dict[str, list[str]] = {}
@@ -553,7 +560,8 @@ class TwoLevelCheckpointer:
                 with torch.no_grad():
                     for k, piece in zip(keys, flat.split(sizes)):
                         shape, dtype = specs[k]
-                        live[k].copy_(piece.view(dtype).view(shape))
+                        if k not in skip:
+                            live[k].copy_(piece.view(dtype).view(shape))
 
     def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:
         """Snapshots newer than the resume step belong to a timeline that no longer exists."""
@@ -562,6 +570,18 @@ class TwoLevelCheckpointer:
                 self.store.invalidate(meta.slot)
         if dist.is_initialized():
             dist.barrier()
+
+
+def _stale_shared_state(layout: Layout, restored: Sequence[Unit], plan: RecoveryPlan) -> set[str]:
+    """Keys of a state the experts of a stacked parameter share (Adam's scalar ``step``) in every expert but
+    the one restored from the newest step: the shared tensor takes the newest source's value, as the optimizer
+    that kept stepping the whole parameter had it, whatever order the sources are copied in."""
+    newest: dict[tuple[str, str], tuple[int, str]] = {}
+    shared = layout.shared_state_keys(u for u in restored if u in layout.slots)
+    for key, owner in shared.items():
+        candidate = (plan.sources[parse_unit(key).key].step, key)
+        newest[owner] = max(newest.get(owner, candidate), candidate)
+    return set(shared) - {key for _, key in newest.values()}
 
 
 def _all_gather(items: list[SlotInventory]) -> list[SlotInventory]:

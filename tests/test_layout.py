@@ -93,14 +93,17 @@ PRESET_LAYOUTS = {  # style: (block, MoE module under it, expert path under that
 
 
 def assert_partition(layout: Layout, model: nn.Module) -> None:
-    """Every named parameter is owned by exactly one unit (whole, or one slice per expert when stacked)."""
+    """Every named parameter is owned by exactly one unit (whole, or one slice per expert when stacked, along
+    dim 0 or along the expert dim of its view when flattened)."""
     owners: dict[str, list[int | None]] = {}
+    experts: dict[str, int] = {}
     for unit in layout.units:
         for slot in layout.slots[unit]:
             owners.setdefault(slot.param, []).append(slot.index)
+            experts[slot.param] = slot.view[0] if slot.view else dict(model.named_parameters())[slot.param].shape[0]
     assert set(owners) == {name for name, _ in model.named_parameters()}
     for name, indices in owners.items():
-        assert indices == [None] or sorted(indices) == list(range(dict(model.named_parameters())[name].shape[0])), name
+        assert indices == [None] or sorted(indices) == list(range(experts[name])), name
 
 
 def test_reference_model_units_and_global_ids_under_ep() -> None:
@@ -180,12 +183,12 @@ def test_local_expert_indices_with_offset_int_and_callable() -> None:
         build_layout(model, None, expert_offset=2, num_experts=3)
 
 
-def stacked_model(num_local: int = 3) -> nn.Module:
+def stacked_model(num_local: int = 3, router_outputs: int = 8) -> nn.Module:
     return model_from_names(
         {
             "model.embed.weight": (10, 4),
             "model.layers.0.attn.qkv.weight": (12, 4),
-            "model.layers.0.mlp.gate.weight": (8, 4),
+            "model.layers.0.mlp.gate.weight": (router_outputs, 4),
             "model.layers.0.mlp.experts.w1": (num_local, 4, 6),
             "model.layers.0.mlp.experts.w2": (num_local, 6, 4),
         }
@@ -215,7 +218,7 @@ def test_stacked_experts_are_views_of_dim0_slices_with_sliced_adam_state() -> No
 
 
 def test_auto_preset_finds_stacked_and_dense_names() -> None:
-    layout = build_layout(stacked_model(2), None)
+    layout = build_layout(stacked_model(2, router_outputs=2), None)
     assert layout.expert_units == (expert(0, 0), expert(0, 1))
     assert layout.dense_units == (dense("model.embed"), dense("model.layers.0.attn"), dense("model.layers.0.mlp.gate"))
 
@@ -231,7 +234,7 @@ def test_custom_regex_and_double_match_and_no_experts_errors() -> None:
         build_layout(
             model, None, preset=[r"(?P<layer>.+\.ffn)\.e(?P<expert>\d+)\.", r"(?P<layer>net\.0\.ffn)\.e(?P<expert>3)\."]
         )
-    with pytest.raises(ValueError, match=r"no expert parameters found .*'net\.0\.attn\.weight'"):
+    with pytest.raises(ValueError, match=r"no expert parameters found .*none looks like an expert or a router"):
         build_layout(model_from_names({"net.0.attn.weight": (2, 2)}), None)
     with pytest.raises(ValueError, match="named group 'layer'"):
         build_layout(model, None, preset=r"net\.0\.ffn\.e(?P<expert>\d+)\.")
@@ -280,7 +283,7 @@ def test_copy_in_restores_one_unit_in_place_and_rejects_unknown_keys() -> None:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_round_trip_loads_in_place_including_stacked_views(tmp_path: object) -> None:
-    model = stacked_model()
+    model = stacked_model(router_outputs=3)
     optimizer = stepped(model, torch.optim.Adam)
     layout = build_layout(model, optimizer)
     units = [expert(0, 1), dense("model.embed")]
@@ -348,7 +351,7 @@ def test_reference_gpt_moe_on_ep_rank_1() -> None:
 
 def test_inconsistent_experts_and_shape_mismatches_are_rejected() -> None:
     uneven_stack = model_from_names({"m.0.mlp.experts.w1": (3, 2), "m.0.mlp.experts.w2": (2, 2)})
-    with pytest.raises(ValueError, match=r"experts of MoE layer 'm\.0\.mlp' hold different parameters"):
+    with pytest.raises(ValueError, match=r"tensors of MoE layer 'm\.0\.mlp' do not agree on the number of experts"):
         build_layout(uneven_stack, None)
     layout = build_layout(model_from_names(reference_names(experts=(0, 1))), None)
     with pytest.raises(ValueError, match=r"'expert/L0/E1/param/fc\.bias', \[1\], \[8\]"):
@@ -359,3 +362,97 @@ def test_inconsistent_experts_and_shape_mismatches_are_rejected() -> None:
         match=r"'m\.0\.moe\.experts\.0\.w' and 'm\.0\.moe\.experts\.00\.w' both map to 'expert/L0/E0/param/w'",
     ):
         build_layout(folded, None)
+
+
+def test_a_bias_vector_is_not_taken_for_experts_and_jetmoe_experts_are_found() -> None:
+    """JetMoe: its attention's ``experts.bias`` is a [hidden] vector; the experts are ``{input,output}_linear``
+    of the mixture of attention heads and of the MLP, each layer with its own router."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (10, 64)}
+    for module, inner in (("self_attention.experts", 16), ("mlp", 32)):
+        p = f"model.layers.0.{module}"
+        shapes |= {
+            f"{p}.bias": (64,),
+            f"{p}.input_linear.weight": (4, inner, 64),
+            f"{p}.output_linear.weight": (4, 64, inner // 2 if module == "mlp" else inner),
+            f"{p}.router.layer.weight": (4, 64),
+        }
+    shapes["model.layers.0.self_attention.kv_proj.weight"] = (32, 64)
+    model = model_from_names(shapes)
+    layout = build_layout(model, stepped(model))
+    assert_partition(layout, model)
+    assert [(l.prefix, l.num_experts, l.router) for l in layout.moe_layers] == [
+        ("model.layers.0.self_attention.experts", 4, "model.layers.0.self_attention.experts.router"),
+        ("model.layers.0.mlp", 4, "model.layers.0.mlp.router"),
+    ]
+    assert sorted(s.local_name for s in layout.slots[expert(1, 3)]) == ["input_linear.weight", "output_linear.weight"]
+    owner = {s.param: u for u in layout.units for s in layout.slots[u]}
+    assert isinstance(owner["model.layers.0.self_attention.experts.bias"], DenseUnit)
+    assert isinstance(owner["model.layers.0.mlp.bias"], DenseUnit)
+
+
+def test_granitemoe_4x_stacked_input_output_linear_are_experts() -> None:
+    model = model_from_names(
+        {
+            "model.layers.0.self_attn.q_proj.weight": (8, 8),
+            "model.layers.0.block_sparse_moe.input_linear.weight": (4, 12, 8),
+            "model.layers.0.block_sparse_moe.output_linear.weight": (4, 8, 6),
+            "model.layers.0.block_sparse_moe.router.layer.weight": (4, 8),
+        }
+    )
+    layout = build_layout(model, None)
+    assert layout.expert_units == tuple(expert(0, e) for e in range(4))
+    assert layout.moe_layers[0].router == "model.layers.0.block_sparse_moe.router"
+    assert dense("model.layers.0.block_sparse_moe.router") in layout.dense_units
+
+
+def dbrx_model() -> nn.Module:
+    """DBRX's experts: ``w1``/``v1``/``w2`` flattened to ``[E*I, H]`` (E=4, I=6, H=8), a router of 4 outputs."""
+    shapes = {f"transformer.blocks.0.ffn.experts.mlp.{w}": (4 * 6, 8) for w in ("w1", "v1", "w2")}
+    return model_from_names({"transformer.wte.weight": (10, 8), "transformer.blocks.0.ffn.router.layer.weight": (4, 8)}
+                            | shapes)
+
+
+def test_flattened_dbrx_experts_are_sliced_through_an_expert_view_with_their_adam_state() -> None:
+    model = dbrx_model()
+    optimizer = stepped(model, torch.optim.Adam)
+    layout = build_layout(model, optimizer)
+    assert_partition(layout, model)
+    assert [(l.prefix, l.num_experts) for l in layout.moe_layers] == [("transformer.blocks.0.ffn", 4)]
+    w1 = dict(model.named_parameters())["transformer.blocks.0.ffn.experts.mlp.w1"]
+    tensors = layout.tensors([expert(0, 2)])
+    assert torch.equal(tensors["expert/L0/E2/param/w1"], w1.detach()[12:18])
+    assert torch.equal(tensors["expert/L0/E2/optim/w1/exp_avg"], optimizer.state[w1]["exp_avg"][12:18])
+    tensors["expert/L0/E2/param/w1"].fill_(7.0)
+    assert bool((w1[12:18] == 7.0).all()) and not bool((w1[:12] == 7.0).any()) and not bool((w1[18:] == 7.0).any())
+    assert layout.unit_bytes(expert(0, 2)).weights == 3 * 6 * 8 * 4
+
+    specs = {k: (tuple(t.shape), t.dtype) for k, t in layout.tensors().items()}
+    fresh = dbrx_model()
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    fresh_layout = build_layout(fresh, fresh_optimizer)
+    fresh_layout.reset_optimizer_state(fresh_layout.units, specs)
+    fresh_w1 = dict(fresh.named_parameters())["transformer.blocks.0.ffn.experts.mlp.w1"]
+    assert fresh_optimizer.state[fresh_w1]["exp_avg"].shape == (24, 8), "created whole, not as one expert's slice"
+    assert {k: (tuple(t.shape), t.dtype) for k, t in fresh_layout.tensors().items()} == specs
+
+
+def test_a_stacked_claim_must_agree_with_its_router() -> None:
+    model = model_from_names({"m.0.mlp.gate.weight": (5, 4), "m.0.mlp.experts.w1": (3, 4, 2)})
+    with pytest.raises(ValueError, match=r"layer 'm\.0\.mlp' do not agree .* router 'm\.0\.mlp\.gate' has 5 outputs"):
+        build_layout(model, None)
+    flattened_wrong = model_from_names({"m.0.mlp.gate.weight": (4, 4), "m.0.mlp.experts.w1": (6, 4)})
+    with pytest.raises(ValueError, match=r"do not agree on the number of experts"):
+        build_layout(flattened_wrong, None)
+
+
+def test_no_experts_error_lists_moe_looking_names_and_a_regex_that_works() -> None:
+    shapes = {"net.0.attn.weight": (2, 2), "net.0.embed.weight": (2, 2), "net.0.ffn.selector.weight": (2, 2)}
+    shapes |= {f"net.0.ffn.moe_experts.{e}.w": (2, 2) for e in range(2)}
+    model = model_from_names(shapes)
+    with pytest.raises(ValueError) as raised:
+        build_layout(model, None)
+    message = str(raised.value)
+    assert "net.0.ffn.moe_experts.0.w" in message and "net.0.attn.weight" not in message
+    suggested = r"(?P<layer>.+?)\.moe_experts\.(?P<expert>\d+)\."
+    assert repr(suggested) in message
+    assert build_layout(model, None, preset=suggested).expert_units == (expert(0, 0), expert(0, 1))
