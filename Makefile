@@ -16,5 +16,8 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 train: $(STAMP)
 	$(PY) recipes/train.py $(ARGS)
 
+# Two pytest-xdist workers (the reference machine's 2 cores); tests that share an expensive fixture carry an
+# xdist_group mark so that one worker runs them. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-from quick_bench import BenchRun, run_quick_bench
+import os
+
+# One intra-op thread per process, here and in every process a test starts (they inherit the environment):
+# the reference machine has 2 cores, shared by two pytest workers (`make test` runs `pytest -n 2`), the
+# processes their tests start, and MoC's snapshot and persist threads. A second OpenMP thread spinning
+# against them made a step up to 5x slower (45 s vs 8 s for
+# test_snapshot_every_step_is_taken_timed_and_committed on a loaded machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from quick_bench import BenchRun, run_quick_bench  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 
 @pytest.fixture(scope="session")

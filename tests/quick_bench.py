@@ -7,7 +7,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+QUICK_BENCH = pytest.mark.xdist_group("quick_bench")
+"""Mark of the tests that use the ``quick_bench`` fixture: one pytest-xdist worker runs them all, so the
+benchmark runs once per session, as without workers."""
 
 
 @dataclass(frozen=True)

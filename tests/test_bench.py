@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moc_lightning.bench import METHODS, BenchConfig, disk_bytes, scaled_k, tensor_bytes
-from quick_bench import BenchRun
+from quick_bench import QUICK_BENCH, BenchRun
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
            "recover_seconds")
@@ -42,6 +42,7 @@ def test_tensor_bytes_reads_dcp_metadata_and_torch_save_files(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@QUICK_BENCH
 def test_quick_preset_reports_every_method(quick_bench: BenchRun) -> None:
     assert "| method |" in quick_bench.stdout
     result = json.loads(quick_bench.result.read_text())

@@ -25,6 +25,8 @@ from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.storage import make_storage
 
+pytestmark = pytest.mark.xdist_group("consolidate")  # one pytest-xdist worker trains the module's run once
+
 CHECKPOINT_STEPS = (2, 4)
 
 

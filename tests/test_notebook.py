@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quick_bench import BenchRun
+from quick_bench import QUICK_BENCH, BenchRun
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks/moc_analysis.ipynb"
@@ -46,6 +46,7 @@ def recipe(*args: str) -> None:
 
 
 @pytest.mark.slow
+@QUICK_BENCH
 def test_notebook_plots_every_figure_from_the_quick_outputs(tmp_path: Path, quick_bench: BenchRun) -> None:
     shutil.copy(quick_bench.result, tmp_path / "bench.json")
     recipe("recipes/accuracy_study.py", f"out={tmp_path / 'accuracy.json'}", "steps=24", "fault_every=10",

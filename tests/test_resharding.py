@@ -11,6 +11,8 @@ from trainee import load_fresh, train_and_checkpoint
 
 from moc_lightning.units import parse_unit
 
+pytestmark = pytest.mark.xdist_group("resharding")  # one pytest-xdist worker writes the module's checkpoints once
+
 
 @pytest.fixture(scope="module", params=["filesystem", "tensorstore"])
 def written_by_4_ranks_ep2(

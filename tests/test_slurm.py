@@ -38,7 +38,7 @@ SCRIPTS = ROOT / "scripts" / "slurm"
 PARTITION = "debug"
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one worker holds the session's cluster
 
 
 def _run(cmd: list[str], timeout: float = 30, **kwargs) -> subprocess.CompletedProcess[str]:
