@@ -514,14 +514,19 @@ class PECCheckpointer:
         }
 
     def _gather_param_sources(self) -> dict[str, dict[str, Any]]:
-        """Weight and buffer key -> ``{"param": name, "index": stacked slice or None}`` of every unit on any rank.
+        """Weight and buffer key -> ``{"param": name, "index": stacked slice or None, "view": [E, I, ...] or None}``
+        of every unit on any rank.
 
-        Gathered once from all ranks, because under expert parallelism the coordinator that describes a
-        checkpoint does not hold the other ranks' experts.
+        ``view`` is the shape a flattened stacked parameter (DBRX's ``[E*I, H]``) was sliced through, so that
+        consolidation rejoins the slices into the parameter's own shape, not ``[E, I, H]``. Gathered once from
+        all ranks, because under expert parallelism the coordinator that describes a checkpoint does not hold
+        the other ranks' experts.
         """
         if self._param_sources is None:
             local = {
-                slot_key(unit, slot): {"param": slot.param, "index": slot.index}
+                slot_key(unit, slot): {
+                    "param": slot.param, "index": slot.index, "view": list(slot.view) if slot.view else None
+                }
                 for unit, slots in self.layout.slots.items()
                 for slot in slots
             }

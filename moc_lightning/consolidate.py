@@ -174,6 +174,9 @@ class Piece:
     unit: Unit
     index: int | None
     """Slice of a stacked ``[E, ...]`` parameter (``None``: the unit owns the parameter whole)."""
+    flattened: bool
+    """The stacked parameter is flattened ``[E*I, ...]`` (DBRX) and the slice ``[I, ...]`` was taken through its
+    ``[E, I, ...]`` view (the map's ``view``; absent from checkpoints written before it was recorded)."""
     step: int
     tensor: torch.Tensor
 
@@ -189,7 +192,8 @@ def place(tensors: Mapping[str, torch.Tensor], params: Mapping[str, Any], record
         source = params.get(named)
         if source is None:
             raise ConsolidateError(f"{record.name}/moc.json names no parameter for {named!r}")
-        pieces.append(Piece(source["param"], state, unit, source["index"], record.step, tensor))
+        flattened = source.get("view") is not None
+        pieces.append(Piece(source["param"], state, unit, source["index"], flattened, record.step, tensor))
     return pieces
 
 
@@ -229,10 +233,11 @@ def assemble(
     for piece in pieces:
         groups.setdefault((piece.param, piece.state), []).append(piece)
     weights = {param: _join(g, num_experts) for (param, state), g in groups.items() if state is None}
+    slices = {param: g[0].tensor.shape for (param, state), g in groups.items() if state is None}
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     for (param, state), group in groups.items():
         if state is not None:
-            optimizer.setdefault(param, {})[state] = _join(group, num_experts, weights[param].shape[1:])
+            optimizer.setdefault(param, {})[state] = _join(group, num_experts, slices[param])
     return DenseCheckpoint(weights, optimizer, provenance, model)
 
 
@@ -240,7 +245,8 @@ def _join(group: Sequence[Piece], num_experts: Sequence[int], slice_shape: torch
     """One dense tensor from its pieces.
 
     A parameter owned whole comes from exactly one unit. A stacked parameter is its experts' slices in
-    global expert order, so it needs every expert of its MoE layer. Optimizer state (given with the shape
+    global expert order, so it needs every expert of its MoE layer; a flattened one (``[E*I, ...]``) gets its
+    own shape back by merging the stack's first two dims. Optimizer state (given with the shape
     ``slice_shape`` of its parameter's slices) that is not of that shape was never sliced (Adam's scalar
     ``step``, shared by a stacked parameter's experts): the newest piece's value is taken, as the live
     loader's last copy would.
@@ -263,7 +269,8 @@ def _join(group: Sequence[Piece], num_experts: Sequence[int], slice_shape: torch
             f"stacked parameter {first.param!r} needs experts {expected}, only {held} are stored; "
             "a stacked tensor cannot leave out a never-stored expert, even with --allow-missing"
         )
-    return torch.stack([p.tensor for p in ordered])
+    stacked = torch.stack([p.tensor for p in ordered])
+    return stacked.flatten(0, 1) if first.flattened else stacked
 
 
 def write_lightning(dense: DenseCheckpoint, out: Path) -> None:

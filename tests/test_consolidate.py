@@ -19,11 +19,15 @@ from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
 
 from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.config import StorageConfig
-from moc_lightning.consolidate import OPTIMIZER_KEY, ConsolidateError, consolidate, main
-from moc_lightning.layout import build_layout
+from moc_lightning.consolidate import (
+    OPTIMIZER_KEY, ConsolidateError, DenseCheckpoint, assemble, consolidate, main, place,
+)
+from moc_lightning.layout import build_layout, param_key, state_key
+from moc_lightning.manifest import CheckpointRecord
 from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.storage import make_storage
+from moc_lightning.units import ExpertUnit
 
 pytestmark = pytest.mark.xdist_group("consolidate")  # one pytest-xdist worker trains the module's run once
 
@@ -249,3 +253,28 @@ def test_checkpoint_written_with_ep2_consolidates_to_the_dense_model(tmp_path: P
 def _safetensors_metadata(path: Path) -> dict[str, str]:
     with safe_open(str(path), framework="pt") as f:
         return f.metadata()
+
+
+def test_a_flattened_stack_rejoins_in_its_own_shape_and_a_map_without_views_stacks_as_before() -> None:
+    """DBRX keeps its experts as one ``[E*I, H]`` tensor, sliced through ``[E, I, H]``: the map's ``view`` turns the
+    stacked slices back into ``[E*I, H]`` (weights and Adam moments alike). A map written before views were
+    recorded has no ``view`` key and gives ``[E, ...]``, as it always did."""
+    experts, rows, hidden = 4, 3, 2
+    flat = torch.arange(experts * rows * hidden, dtype=torch.float32).view(experts * rows, hidden)
+    record = CheckpointRecord("step_00000002", 2, (), "equal", 1, 1, "filesystem")
+    units = [ExpertUnit(0, e) for e in range(experts)]
+    tensors = {param_key(u, "w1"): flat.view(experts, rows, hidden)[u.expert] for u in units}
+    tensors |= {state_key(u, "w1", "exp_avg"): -tensors[param_key(u, "w1")] for u in units}
+    tensors |= {state_key(u, "w1", "step"): torch.tensor(2.0) for u in units}
+
+    def consolidated(view: list[int] | None) -> DenseCheckpoint:
+        params = {param_key(u, "w1"): {"param": "ffn.experts.mlp.w1", "index": u.expert} for u in units}
+        if view is not None:
+            params = {key: {**source, "view": view} for key, source in params.items()}
+        return assemble(place(tensors, params, record), [experts], provenance={})
+
+    dense = consolidated([experts, rows, hidden])
+    assert torch.equal(dense.weights["ffn.experts.mlp.w1"], flat)
+    assert torch.equal(dense.optimizer["ffn.experts.mlp.w1"]["exp_avg"], -flat)
+    assert torch.equal(dense.optimizer["ffn.experts.mlp.w1"]["step"], torch.tensor(2.0))
+    assert torch.equal(consolidated(None).weights["ffn.experts.mlp.w1"], flat.view(experts, rows, hidden))

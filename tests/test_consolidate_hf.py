@@ -16,7 +16,7 @@ from lightning_run import cpu_trainer, moc_config
 from safetensors.torch import load_file
 
 from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.consolidate import consolidate, main
+from moc_lightning.consolidate import OPTIMIZER_KEY, consolidate, main
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.hf_format import CONFIG, INDEX
 
@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 from moc_lightning.models.hf import HFCausalLMModule, HFModelConfig, build_model  # noqa: E402
+from test_hf_families import FAMILIES, VOCAB, Wrapped  # noqa: E402
+from test_hf_families import N as N_EXPERTS  # noqa: E402
 
 DEEPSEEK_V3 = HFModelConfig(
     model_type="deepseek_v3",
@@ -157,3 +159,50 @@ def test_experts_from_older_persists_give_the_recovered_model(tmp_path: Path) ->
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(_logits(loaded), _logits(recovered.model))
     assert not torch.equal(_logits(loaded), _logits(trained.module.model)), "older experts: not the live model"
+
+
+CONSOLIDATED = ("dbrx", "deepseek_v3", "jetmoe", "mixtral", "qwen3_moe", "torchtitan")
+"""Families of ``test_hf_families`` whose consolidation is checked: every expert layout there is (fused ``[E, ...]``,
+DBRX's flattened ``[E*I, H]``, JetMoe's two MoE layers per block, torchtitan's per-expert ``expert_bias``)."""
+
+
+@pytest.mark.parametrize("name", CONSOLIDATED)
+def test_each_family_consolidates_to_its_own_shapes_and_values(name: str, tmp_path: Path) -> None:
+    """Two steps of the family under MoC (step 2 is the first persist: every unit); each format then holds every
+    weight, buffer and optimizer tensor with the model's own shape and its live value, and a Hugging Face model
+    comes back through ``from_pretrained`` with the live logits."""
+    module = Wrapped(FAMILIES[name])
+    config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=1, k_snapshot=2, k_persist=2)
+    moc = MoCCheckpoint(config)
+    trainer = cpu_trainer(tmp_path / "run", 2, [moc, PersistsLand(moc)])
+    trainer.fit(module)
+    live = module.state_dict()
+    optimizer = trainer.optimizers[0]
+    live_optimizer = {param: optimizer.state[p] for param, p in module.named_parameters() if p in optimizer.state}
+
+    consolidate(config.storage.url, tmp_path / "dense.ckpt", "lightning", progress=False)
+    dense = torch.load(tmp_path / "dense.ckpt", weights_only=True)
+    consolidate(config.storage.url, tmp_path / "dense.safetensors", "safetensors", progress=False)
+    safetensors = load_file(tmp_path / "dense.safetensors")
+    for fmt, weights in (("lightning", dense["state_dict"]), ("safetensors", safetensors)):
+        assert weights.keys() == live.keys(), fmt
+        for param, tensor in live.items():
+            assert weights[param].shape == tensor.shape, f"{fmt}: {param}"
+            assert torch.equal(weights[param], tensor), f"{fmt}: {param}"
+    stored_optimizer = dense[OPTIMIZER_KEY]
+    assert stored_optimizer.keys() == live_optimizer.keys()
+    for param, states in live_optimizer.items():
+        assert stored_optimizer[param].keys() == states.keys(), param
+        for state, tensor in states.items():
+            assert stored_optimizer[param][state].shape == tensor.shape, f"{param} {state}"
+            assert torch.equal(stored_optimizer[param][state], tensor), f"{param} {state}"
+
+    if name == "torchtitan":  # no PreTrainedModel: the run records no config, nothing for from_pretrained
+        assert dense["state_dict"]["model.layers.0.moe.expert_bias"].shape == (N_EXPERTS,)
+        return
+    main([config.storage.url, "--out", str(tmp_path / "hf"), "--format", "hf"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(loaded) is type(module.model)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=tokens).logits, module.model.eval()(input_ids=tokens).logits)
