@@ -509,6 +509,7 @@ class PECCheckpointer:
             "layout": {
                 "num_experts": list(self.layout.num_experts),
                 "params": {key: src for key, src in param_sources.items() if parse_unit(key).key in held},
+                "aliases": dict(self.layout.aliases),
             },
             "model": self.model_description,
         }

@@ -123,7 +123,7 @@ class StorageRoot:
         return manifest
 
     def layout(self, record: CheckpointRecord) -> dict[str, Any]:
-        """The ``layout`` section of a checkpoint's ``moc.json``: ``num_experts`` and the parameter map."""
+        """The ``layout`` section of a checkpoint's ``moc.json``: ``num_experts``, the parameter map, tied names."""
         layout = self._description(record).get("layout")
         if layout is None:
             raise ConsolidateError(
@@ -226,13 +226,22 @@ class DenseCheckpoint:
 
 
 def assemble(
-    pieces: Sequence[Piece], num_experts: Sequence[int], provenance: dict[str, Any], model: dict[str, Any] | None = None
+    pieces: Sequence[Piece],
+    num_experts: Sequence[int],
+    provenance: dict[str, Any],
+    model: dict[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> DenseCheckpoint:
-    """Group pieces by parameter (and optimizer state) and join each group into one dense tensor."""
+    """Group pieces by parameter (and optimizer state) and join each group into one dense tensor.
+
+    ``aliases`` (the map's other names of tied tensors, :attr:`Layout.aliases`) repeat their tensor under each
+    name, as ``state_dict()`` does; as copies, since safetensors refuses two names for one memory.
+    """
     groups: dict[tuple[str, str | None], list[Piece]] = {}
     for piece in pieces:
         groups.setdefault((piece.param, piece.state), []).append(piece)
     weights = {param: _join(g, num_experts) for (param, state), g in groups.items() if state is None}
+    weights |= {alias: weights[name].clone() for alias, name in (aliases or {}).items() if name in weights}
     slices = {param: g[0].tensor.shape for (param, state), g in groups.items() if state is None}
     optimizer: dict[str, dict[str, torch.Tensor]] = {}
     for (param, state), group in groups.items():
@@ -338,14 +347,21 @@ def consolidate(
     options = _format_options(fmt, prefix=prefix, max_shard_size=max_shard_size)
     root = StorageRoot(url)
     manifest = root.manifest()
-    num_experts = root.layout(manifest.latest)["num_experts"]
+    layout = root.layout(manifest.latest)
+    num_experts = layout["num_experts"]
     chosen = plan(manifest, num_experts)
     if chosen.missing and not allow_missing:
         raise ConsolidateError(
             f"experts {list(chosen.missing)} were never stored, so no dense checkpoint holds the whole model; "
             "pass --allow-missing to write one without them"
         )
-    dense = assemble(read_pieces(root, chosen, progress), num_experts, chosen.provenance(), root.model(manifest.latest))
+    dense = assemble(
+        read_pieces(root, chosen, progress),
+        num_experts,
+        chosen.provenance(),
+        root.model(manifest.latest),
+        layout.get("aliases"),  # absent from checkpoints written before aliases were recorded
+    )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -167,6 +167,10 @@ class Layout:
     optimizer: torch.optim.Optimizer | None
     buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Persistent buffers by name."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Other names ``state_dict()`` holds a parameter or buffer under (a head tied to the embedding:
+    ``lm_head.weight`` -> ``model.embed_tokens.weight``), each to the one name its unit holds it by; what a
+    consolidated checkpoint must repeat for the model's own ``load_state_dict`` to accept it."""
 
     @cached_property
     def units(self) -> tuple[Unit, ...]:
@@ -469,6 +473,7 @@ def build_layout(
         params=params,
         optimizer=optimizer,
         buffers=buffers,
+        aliases=_aliases(model, {**params, **buffers}),
     )
 
 
@@ -492,6 +497,17 @@ def _expert_claims(
             views.update(layer_views)
             routers[prefix] = router
     return kept, views, routers
+
+
+def _aliases(model: nn.Module, named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Each name of ``model.state_dict()`` that is not in ``named`` but holds one of its tensors, to that tensor's
+    name in ``named``: ``named_parameters()`` lists a tied tensor once, ``state_dict()`` under every name."""
+    first = {id(tensor): name for name, tensor in named.items()}
+    return {
+        name: first[id(tensor)]
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if name not in named and id(tensor) in first
+    }
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

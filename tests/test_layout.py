@@ -456,3 +456,14 @@ def test_no_experts_error_lists_moe_looking_names_and_a_regex_that_works() -> No
     suggested = r"(?P<layer>.+?)\.moe_experts\.(?P<expert>\d+)\."
     assert repr(suggested) in message
     assert build_layout(model, None, preset=suggested).expert_units == (expert(0, 0), expert(0, 1))
+
+
+def test_a_tied_head_is_an_alias_of_the_embedding_it_shares() -> None:
+    """``named_parameters()`` lists a tied tensor once, ``state_dict()`` under both names: the layout keeps the
+    other name, so a consolidated checkpoint can hold both (the model's ``load_state_dict`` wants both)."""
+    model = model_from_names({"embed.weight": (10, 4), "moe.experts.0.fc.weight": (4, 4), "head.weight": (10, 4)})
+    model.head.weight = model.embed.weight
+    layout = build_layout(model, None)
+    assert layout.aliases == {"head.weight": "embed.weight"}
+    assert "head.weight" not in {slot.param for slots in layout.slots.values() for slot in slots}
+    assert build_layout(model_from_names(reference_names((0, 1))), None).aliases == {}
