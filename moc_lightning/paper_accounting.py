@@ -142,10 +142,10 @@ def eq8_rank_bytes(
     counts each rank's expert weights whole, so equal expert sharding would gain nothing there, while the
     paper says that is the only case where it gains; and it counts a D_ep-th of the dense optimizer state
     per rank, which ZeRO partitions over all D_dp ranks. Read with D_dp in every term (``as_printed=False``),
-    it is the whole checkpoint over the ranks: the optimizer term because each rank holds 1/D_dp of every
-    partition group's total (N/D_ep experts per layer, each over D_dp/D_ep replicas), the expert weight
-    term because equal expert sharding splits each expert over those replicas. The two readings agree when
-    D_dp = D_ep (Cases 1 and 2).
+    it is the whole checkpoint over the ranks: ZeRO leaves each rank 1/D_dp of the optimizer state (the dense
+    state over all D_dp ranks; N/D_ep experts per layer, each over D_dp/D_ep replicas), and equal expert
+    sharding splits each expert's weights over those replicas. The two readings agree when D_dp = D_ep
+    (Cases 1 and 2).
     """
     dp, ep = topology.world_size, topology.ep
     total = dense_params + expert_params

@@ -19,6 +19,9 @@ Strategies (``STRATEGIES``):
 - ``dcp_default``: what ``torch.distributed.checkpoint``'s deduplication (``dedup_save_plans``) does,
   modelled with one write item per unit; see ``_dcp_default``.
 
+``equal_experts_ownership`` places the same way around bytes a rank writes besides the units (the ZeRO
+optimizer partitions of ``moc_lightning.paper_accounting``), at layer granularity or with pouring.
+
 Dense placement in ``equal`` and ``adaptive`` (``_place_dense``). The *dense share* is the bytes of all
 dense units being saved divided by the world size. A dense unit bigger than it is *oversized*: whole, it
 would make its writer the bottleneck, whatever else is placed (the 0.72 GB word embedding of GPT-350M-16E
@@ -194,7 +197,8 @@ def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
 
 
 def split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
-    """Equal row ranges, one per holder (fewer when there are fewer rows than holders)."""
+    """Equal row ranges, one per holder (fewer when there are fewer rows than holders): the equal expert split,
+    and how ZeRO partitions a unit's optimizer state over its replica group."""
     pieces = max(1, min(len(unit.holders), unit.rows))
     bounds = [piece * unit.rows // pieces for piece in range(pieces + 1)]
     return tuple(Shard(unit.holders[piece], bounds[piece], bounds[piece + 1]) for piece in range(pieces))

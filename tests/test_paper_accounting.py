@@ -69,6 +69,7 @@ PEC = {"deepspeed": (340, 156, 216, 156), "EE+EN": (306, 172, 234, 156), "EE+AN"
 def test_full_checkpoint_bytes_per_rank_by_hand(plan: str) -> None:
     checkpoint = zero2_checkpoint(made_up_units((0, 1)), TOPOLOGY, plan, MixedPrecision(2, 12))
     assert checkpoint.rank_bytes == FULL[plan]
+    assert checkpoint.optimizer_bytes == (216, 192, 216, 192)  # every rank writes its own partition, whatever the plan
     assert checkpoint.ideal_bytes == 238
 
 
