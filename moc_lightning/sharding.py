@@ -369,7 +369,9 @@ def _check_units(units: Sequence[ShardingUnit], topology: Topology) -> None:
             )
 
 
-def _ownership(strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment) -> Ownership:
+def _ownership(
+    strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment
+) -> Ownership:
     return Ownership(
         strategy=strategy,
         topology=topology,

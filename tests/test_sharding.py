@@ -25,6 +25,7 @@ from moc_lightning.sharding import (
     ShardingUnit,
     Topology,
     compute_ownership,
+    equal_experts_ownership,
     plan_ownership,
 )
 
@@ -273,6 +274,10 @@ def test_plan_is_cached_while_the_selection_repeats() -> None:
             "appears twice",
         ),
         (lambda: compute_ownership([], Topology(2, 1), "equal").writes_of(2), "rank=2"),
+        (
+            lambda: equal_experts_ownership([], Topology(2, 1), label="EE+AN", base_loads=[0], pour=False),
+            "base_loads must give bytes >= 0 for each of world_size=2 ranks",
+        ),
     ],
 )
 def test_bad_inputs_name_the_option_and_what_is_allowed(build: Callable[[], object], message: str) -> None:
