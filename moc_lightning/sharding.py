@@ -19,6 +19,9 @@ Strategies (``STRATEGIES``):
 - ``dcp_default``: what ``torch.distributed.checkpoint``'s deduplication (``dedup_save_plans``) does,
   modelled with one write item per unit; see ``_dcp_default``.
 
+``equal_experts_ownership`` places the same way around bytes a rank writes besides the units (the ZeRO
+optimizer partitions of ``moc_lightning.paper_accounting``), at layer granularity or with pouring.
+
 Dense placement in ``equal`` and ``adaptive`` (``_place_dense``). The *dense share* is the bytes of all
 dense units being saved divided by the world size. A dense unit bigger than it is *oversized*: whole, it
 would make its writer the bottleneck, whatever else is placed (the 0.72 GB word embedding of GPT-350M-16E
@@ -193,15 +196,16 @@ def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
     return (Shard(rank, 0, unit.rows),)
 
 
-def _split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
-    """Equal row ranges, one per holder (fewer when there are fewer rows than holders)."""
+def split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
+    """Equal row ranges, one per holder (fewer when there are fewer rows than holders): the equal expert split,
+    and how ZeRO partitions a unit's optimizer state over its replica group."""
     pieces = max(1, min(len(unit.holders), unit.rows))
     bounds = [piece * unit.rows // pieces for piece in range(pieces + 1)]
     return tuple(Shard(unit.holders[piece], bounds[piece], bounds[piece + 1]) for piece in range(pieces))
 
 
 def _split_experts(units: Sequence[ShardingUnit]) -> Assignment:
-    return {i: _split_over_holders(unit) for i, unit in enumerate(units) if unit.kind == "expert"}
+    return {i: split_over_holders(unit) for i, unit in enumerate(units) if unit.kind == "expert"}
 
 
 def _rank_bytes(units: Sequence[ShardingUnit], assignment: Assignment, world_size: int) -> list[int]:
@@ -263,12 +267,13 @@ def _pour(unit: ShardingUnit, heap: list[tuple[int, int]], line: int, world_size
     return tuple(shards)
 
 
-def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int]) -> Assignment:
+def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int], pour: bool = True) -> Assignment:
     """Dense units onto the ranks with the fewest bytes, starting from ``loads``; oversized ones poured last.
 
     Whole units go first, largest first, each onto its lightest holder (LPT greedy); then each oversized
     unit, largest first, is poured into the gaps they leave below the ideal line, ``(sum(loads) + dense
     bytes) / world_size``: divisible bytes placed after indivisible ones can level what whole units cannot.
+    With ``pour=False`` nothing counts as oversized: every unit stays whole (the paper's layer granularity).
     Ties go to the earlier unit and the lower rank, so every rank computes the same placement.
     """
     world_size = len(loads)
@@ -276,7 +281,7 @@ def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int]) -> Assignm
     heapq.heapify(heap)
     dense = [i for i, unit in enumerate(units) if unit.kind == "dense"]
     dense_bytes = sum(units[i].nbytes for i in dense)
-    oversized = {i for i in dense if _is_oversized(units[i], dense_bytes, world_size)}
+    oversized = {i for i in dense if pour and _is_oversized(units[i], dense_bytes, world_size)}
     line = sum(loads) + dense_bytes
     assignment: Assignment = {}
     for i in sorted(dense, key=lambda i: (i in oversized, -units[i].nbytes)):
@@ -287,15 +292,27 @@ def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int]) -> Assignm
     return assignment
 
 
+def _equal_experts(
+    units: Sequence[ShardingUnit], world_size: int, base_loads: Sequence[int] | None, pour: bool
+) -> Assignment:
+    """Experts split over their holders; dense units placed ignoring the rest (``base_loads=None``), or onto
+    the ranks with the fewest bytes counting ``base_loads`` and the expert shards."""
+    experts = _split_experts(units)
+    if base_loads is None:
+        return {**experts, **_place_dense(units, [0] * world_size, pour)}
+    expert_loads = _rank_bytes(units, experts, world_size)
+    loads = [base + load for base, load in zip(base_loads, expert_loads, strict=True)]
+    return {**experts, **_place_dense(units, loads, pour)}
+
+
 def _equal(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
     """Dense placement from zero loads: fixed once for the dense units, whatever the selection (section 4.2)."""
-    return {**_split_experts(units), **_place_dense(units, [0] * world_size)}
+    return _equal_experts(units, world_size, None, pour=True)
 
 
 def _adaptive(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
     """Dense placement from the expert loads this selection leaves (section 4.3)."""
-    experts = _split_experts(units)
-    return {**experts, **_place_dense(units, _rank_bytes(units, experts, world_size))}
+    return _equal_experts(units, world_size, [0] * world_size, pour=True)
 
 
 def _rank0(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
@@ -336,6 +353,10 @@ STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
 def _check_inputs(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> None:
     if strategy not in _STRATEGIES:
         raise ValueError(f"unknown sharding strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    _check_units(units, topology)
+
+
+def _check_units(units: Sequence[ShardingUnit], topology: Topology) -> None:
     seen: set[str] = set()
     for unit in units:
         if unit.key in seen:
@@ -348,14 +369,9 @@ def _check_inputs(units: Sequence[ShardingUnit], topology: Topology, strategy: s
             )
 
 
-def compute_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> Ownership:
-    """Ownership of ``units`` under ``strategy`` (one of ``STRATEGIES``), computed afresh.
-
-    Cost is linear in the number of (unit, replica) pairs; prefer the cached ``plan_ownership``.
-    """
-    units = tuple(units)
-    _check_inputs(units, topology, strategy)
-    assignment = _STRATEGIES[strategy](units, topology.world_size)
+def _ownership(
+    strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment
+) -> Ownership:
     return Ownership(
         strategy=strategy,
         topology=topology,
@@ -363,6 +379,45 @@ def compute_ownership(units: Sequence[ShardingUnit], topology: Topology, strateg
         shards=tuple(assignment[i] for i in range(len(units))),
         rank_bytes=tuple(_rank_bytes(units, assignment, topology.world_size)),
     )
+
+
+def compute_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> Ownership:
+    """Ownership of ``units`` under ``strategy`` (one of ``STRATEGIES``), computed afresh.
+
+    Cost is linear in the number of (unit, replica) pairs; prefer the cached ``plan_ownership``.
+    """
+    units = tuple(units)
+    _check_inputs(units, topology, strategy)
+    return _ownership(strategy, topology, units, _STRATEGIES[strategy](units, topology.world_size))
+
+
+def equal_experts_ownership(
+    units: Sequence[ShardingUnit],
+    topology: Topology,
+    *,
+    label: str,
+    base_loads: Sequence[int] | None,
+    pour: bool,
+) -> Ownership:
+    """Experts split equally over their holders (EE), dense units placed as the paper's EN or AN.
+
+    For state that other bytes share the ranks with, such as ZeRO optimizer partitions each rank writes
+    itself (``moc_lightning.paper_accounting``). ``base_loads=None``: dense units placed ignoring everything
+    else (EN, section 4.2). Else dense units go onto the ranks with the fewest bytes counting ``base_loads``
+    (bytes each rank writes besides ``units``) and the expert shards (AN, section 4.3). ``pour=False`` keeps
+    every dense unit whole (the paper's layer granularity); ``pour=True`` pours oversized ones in row blocks,
+    as ``equal`` and ``adaptive`` do. ``rank_bytes`` of the result counts ``units`` only; ``label`` names it.
+    """
+    units = tuple(units)
+    _check_units(units, topology)
+    if base_loads is not None and (
+        len(base_loads) != topology.world_size or any(load < 0 for load in base_loads)
+    ):
+        raise ValueError(
+            f"base_loads must give bytes >= 0 for each of world_size={topology.world_size} ranks; "
+            f"got {len(base_loads)} values, smallest {min(base_loads, default=None)}"
+        )
+    return _ownership(label, topology, units, _equal_experts(units, topology.world_size, base_loads, pour))
 
 
 _cached_ownership = lru_cache(maxsize=32)(compute_ownership)

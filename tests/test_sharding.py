@@ -17,6 +17,7 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from moc_lightning.paper_accounting import ZERO2_PLANS
 from moc_lightning.sharding import (
     STRATEGIES,
     Ownership,
@@ -24,6 +25,7 @@ from moc_lightning.sharding import (
     ShardingUnit,
     Topology,
     compute_ownership,
+    equal_experts_ownership,
     plan_ownership,
 )
 
@@ -272,6 +274,10 @@ def test_plan_is_cached_while_the_selection_repeats() -> None:
             "appears twice",
         ),
         (lambda: compute_ownership([], Topology(2, 1), "equal").writes_of(2), "rank=2"),
+        (
+            lambda: equal_experts_ownership([], Topology(2, 1), label="EE+AN", base_loads=[0], pour=False),
+            "base_loads must give bytes >= 0 for each of world_size=2 ranks",
+        ),
     ],
 )
 def test_bad_inputs_name_the_option_and_what_is_allowed(build: Callable[[], object], message: str) -> None:
@@ -290,3 +296,9 @@ def test_report_writes_the_required_json(tmp_path: Path) -> None:
         (case, strategy, k) for case in ("Case1", "Case2", "Case3") for strategy in STRATEGIES for k in (16, 1)
     }
     assert all({"ranks", "seconds"} <= timing.keys() for timing in report["plan_time"])
+    zero2 = report["zero2"]  # the paper's accounting (Figure 10), beside today's DDP rows
+    assert {(row["case"], row["plan"], row["k"]) for row in zero2["rows"]} == {
+        (case, plan, k) for case in ("Case1", "Case2", "Case3") for plan in ZERO2_PLANS for k in (16, 1)
+    }
+    assert {"busiest_bytes", "weight_bytes", "optimizer_bytes", "reduction_vs_deepspeed"} <= zero2["rows"][0].keys()
+    assert [paper.get("high") for paper in zero2["paper"]] == [0.28, 0.29, 0.061, None]
