@@ -31,6 +31,8 @@ def main(argv: list[str]) -> int:
         seeds = [int(args["seed"]) + i for i in range(int(args["trials"]))]
     else:
         raise SystemExit("give trials=N (seeds seed, seed+1, ...) or seeds=a,b,...")
+    out = Path(args["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the first trial: a bad out= fails now, not after it
     cfg = TrialConfig(max_steps=int(args["max_steps"]))
     root = Path(args["work"])
     root.mkdir(parents=True, exist_ok=True)
@@ -44,7 +46,7 @@ def main(argv: list[str]) -> int:
               f"incarnations={len(result.outcomes)} {result.seconds:.0f}s: "
               f"{'PASS' if result.passed else 'FAIL ' + ','.join(failed)}", flush=True)
         summary = tally(results)
-        Path(args["out"]).write_text(json.dumps(summary, indent=1))
+        out.write_text(json.dumps(summary, indent=1))
     print(summary_table(summary))
     return 0 if summary["passed"] == summary["trials"] else 1
 
