@@ -131,7 +131,7 @@ class MoCCheckpoint(Checkpoint):
 
     def _build_engine(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer | None) -> None:
         """Create the engine once per process (the persist process group is collective to create)."""
-        topology = getattr(pl_module, "expert_topology", None) or _replicated_topology()
+        topology = getattr(pl_module, "expert_topology", None) or ExpertParallelTopology.replicated()
         check_other_checkpoints(self._trainer, self, topology.ep, local_path(self.config.storage.url))
         layout = build_layout(pl_module, optimizer, preset=self.layout_preset, expert_parallel=topology.ep)
         if self.tokens is None:
@@ -477,10 +477,4 @@ def _fresh_optimizer(module: L.LightningModule) -> torch.optim.Optimizer:
         if isinstance(configured, (list, tuple)):
             configured = configured[0]
     return configured
-
-
-def _replicated_topology() -> ExpertParallelTopology:
-    if dist.is_available() and dist.is_initialized():
-        return ExpertParallelTopology(world_size=dist.get_world_size(), rank=dist.get_rank(), ep=1)
-    return ExpertParallelTopology()
 

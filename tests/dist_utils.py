@@ -46,6 +46,6 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, init_pr
     Trainer inside ``fn`` sets the process group up itself, as under ``torchrun``.
     """
     out = tmp_path / "rank_results"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     mp.spawn(_entry, args=(fn, world_size, free_port(), str(out), init_process_group, args), nprocs=world_size)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -16,6 +16,14 @@ import lightning as L
 import torch
 from torch import nn
 
+from moc_lightning.layout import build_layout
+from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.zero import ZeroAdamW, partition_by_units
+
+DATA_PARALLEL = ("ddp", "zero2")
+"""``trainer.data_parallel``: ``ddp`` (optimizer state replicated on every holder of a parameter) or ``zero2``
+(each parameter's optimizer state, fp32 master weights included, on one of its holders; :mod:`moc_lightning.zero`)."""
+
 
 @dataclass
 class OptimConfig:
@@ -60,9 +68,12 @@ class CausalLMModule(L.LightningModule, ABC):
 
     model: nn.Module | None
 
-    def __init__(self, optim: OptimConfig | None = None) -> None:
+    def __init__(self, optim: OptimConfig | None = None, data_parallel: str = "ddp") -> None:
         super().__init__()
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"trainer.data_parallel={data_parallel!r} is not allowed; choose one of: {', '.join(DATA_PARALLEL)}")
         self.optim_config = optim or OptimConfig()
+        self.data_parallel = data_parallel
 
     @abstractmethod
     def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +92,12 @@ class CausalLMModule(L.LightningModule, ABC):
         cfg = self.optim_config
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-        )
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.data_parallel == "zero2":
+            topology = getattr(self, "expert_topology", None) or ExpertParallelTopology.replicated()
+            partition = partition_by_units(build_layout(self, None, expert_parallel=topology.ep), topology)
+            optimizer: torch.optim.Optimizer = ZeroAdamW(groups, partition, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

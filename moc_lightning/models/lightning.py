@@ -19,13 +19,21 @@ from moc_lightning.models.parallel import ExpertParallelTopology
 
 
 class GPTMoEModule(CausalLMModule):
-    """Trains :class:`GPTMoE` with expert parallelism degree ``ep`` (``None``: one EP group over all ranks)."""
+    """Trains :class:`GPTMoE` with expert parallelism degree ``ep`` (``None``: one EP group over all ranks) and
+    ``data_parallel`` ``ddp`` or ``zero2`` (:data:`moc_lightning.models.causal_lm.DATA_PARALLEL`)."""
 
     def __init__(
-        self, model: GPTMoEConfig, optim: OptimConfig | None = None, ep: int | None = None, seed: int = 0
+        self,
+        model: GPTMoEConfig,
+        optim: OptimConfig | None = None,
+        ep: int | None = None,
+        seed: int = 0,
+        data_parallel: str = "ddp",
     ) -> None:
-        super().__init__(optim)
-        self.save_hyperparameters({"model": asdict(model), "optim": asdict(self.optim_config), "ep": ep})
+        super().__init__(optim, data_parallel)
+        self.save_hyperparameters(
+            {"model": asdict(model), "optim": asdict(self.optim_config), "ep": ep, "data_parallel": data_parallel}
+        )
         self.model_config = model
         self.ep = ep
         self.seed = seed

@@ -53,6 +53,13 @@ class ExpertParallelTopology:
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
     @classmethod
+    def replicated(cls) -> ExpertParallelTopology:
+        """The topology of a model without expert parallelism: every rank of the default group holds every expert."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(world_size=dist.get_world_size(), rank=dist.get_rank(), ep=1)
+        return cls()
+
+    @classmethod
     def from_process_group(cls, ep: int | None = None) -> ExpertParallelTopology:
         """Build the topology of the default process group, creating the EP and replica groups.
 

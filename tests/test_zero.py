@@ -1,0 +1,160 @@
+"""ZeRO-2 (``trainer.data_parallel=zero2``): the partition is by unit, and training matches one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+
+from moc_lightning.layout import build_layout
+from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
+from moc_lightning.zero import MASTER_DTYPE, ZeroAdamW, partition_by_units
+
+# Capacity large enough that no token is dropped, so EP and non-EP routing agree exactly.
+CFG = GPTMoEConfig(block_size=16, n_layer=2, n_embd=32, n_head=2, num_experts=4, top_k=2, capacity_factor=8.0)
+BATCH = 8
+STEPS = 3
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size + 1), generator=g) for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _optimizer(model: GPTMoE, cls: type[torch.optim.AdamW], **kw: object) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return cls(groups, lr=1e-2, betas=(0.9, 0.95), **kw)
+
+
+def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool = True) -> dict:
+    """STEPS steps on this rank's share of each batch; dense gradients averaged as DDP would. ``zero=False``:
+    torch's AdamW on every rank, as under DDP."""
+    topology = ExpertParallelTopology.from_process_group(ep)
+    model = GPTMoE(CFG, topology, seed=0).to(dtype)
+    if zero:
+        partition = partition_by_units(build_layout(model, None, expert_parallel=topology.ep), topology)
+        optimizer = _optimizer(model, ZeroAdamW, partition=partition)
+    else:
+        optimizer = _optimizer(model, torch.optim.AdamW)
+    share = BATCH // world_size
+    for x, y in _batches():
+        _, loss, _ = model(x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])
+        loss.backward()
+        for name, p in model.named_parameters():
+            if ".experts." not in name and world_size > 1:
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        model.reduce_expert_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    names = {p: n for n, p in model.named_parameters()}
+    return {
+        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "state": {names[p]: {k: (v.dtype, tuple(v.shape)) for k, v in s.items()} for p, s in optimizer.state.items()},
+    }
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    model = GPTMoE(CFG, seed=0)
+    optimizer = _optimizer(model, torch.optim.AdamW)
+    for x, y in _batches():
+        _, loss, _ = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("world", "ep"), [(4, 2), (2, 1)])
+def test_the_partition_gives_every_unit_one_owner_among_its_holders(world: int, ep: int) -> None:
+    """Computed on each rank alone: the dense owners agree, expert owners agree among replicas, loads balance."""
+    answers = []
+    for rank in range(world):
+        topology = ExpertParallelTopology(world_size=world, rank=rank, ep=ep)
+        layout = build_layout(GPTMoE(CFG, topology, seed=0), None, expert_parallel=ep)
+        answers.append({u.key: r for u, r in partition_by_units(layout, topology).unit_owners(layout).items()})
+    for rank, owners in enumerate(answers):
+        assert {k: r for k, r in owners.items() if not k.startswith("expert/")} == {
+            k: r for k, r in answers[0].items() if not k.startswith("expert/")
+        }
+        assert owners == {**owners, **{k: r for k, r in answers[rank % ep].items() if k.startswith("expert/")}}
+        for key, owner in owners.items():
+            if key.startswith("expert/"):
+                assert owner % ep == rank % ep, f"{key} is owned by a rank that does not hold it"
+    assert len({r for owners in answers for r in owners.values()}) == world, "every rank owns some state"
+
+
+def _modes(rank: int, world_size: int, ep: int) -> dict:
+    """One launch of the ranks for every mode the tests compare (a launch costs seconds of imports)."""
+    return {
+        "zero": _train(rank, world_size, ep, torch.float32),
+        "ddp": _train(rank, world_size, ep, torch.float32, False),
+        "zero_bf16": _train(rank, world_size, ep, torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """4 ranks in 2 EP groups: dense state partitioned over 4 ranks, each expert's over its 2 replicas."""
+    return run_ranks(_modes, 4, tmp_path_factory.mktemp("zero"), 2)
+
+
+@pytest.mark.slow
+def test_zero2_trains_as_ddp_and_one_process_do(four_ranks: list[dict]) -> None:
+    """Bitwise as DDP with the same gradients (ZeRO moves the state, not the arithmetic); as one process within
+    what Adam makes of float rounding in the averaged gradients (its update divides by sqrt(v): about 2e-5 here)."""
+    reference = _reference()
+    owned: dict[str, int] = {}
+    for rank, result in enumerate(four_ranks):
+        zero, ddp = result["zero"], result["ddp"]
+        for name, tensor in zero["params"].items():
+            assert torch.equal(tensor, ddp["params"][name]), f"{name} on rank {rank} differs from DDP's"
+            torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-4, msg=f"{name} on rank {rank}")
+        for name in zero["state"]:
+            owned[name] = owned.get(name, 0) + 1
+        assert len(ddp["state"]) == len(ddp["params"]), "under DDP every rank holds every state"
+    # a dense parameter's state on one of the 4 ranks; an expert's (named by its global id) on one of its 2 replicas
+    assert owned == {name: 1 for name in reference}, "each parameter's optimizer state lives on exactly one rank"
+
+
+@pytest.mark.slow
+def test_bf16_replicas_stay_equal_and_keep_fp32_state(four_ranks: list[dict]) -> None:
+    """2 bytes of weight and 12 of optimizer state per parameter, as in the paper's accounting."""
+    for rank, result in enumerate(four_ranks):
+        run = result["zero_bf16"]
+        for name, tensor in run["params"].items():
+            twin = four_ranks[rank % 2 if ".experts." in name else 0]["zero_bf16"]["params"][name]
+            assert torch.equal(tensor, twin), f"{name} differs between its holders"
+        for name, state in run["state"].items():
+            assert {k: v[0] for k, v in state.items()} == {
+                "step": MASTER_DTYPE, "master": MASTER_DTYPE, "exp_avg": MASTER_DTYPE, "exp_avg_sq": MASTER_DTYPE
+            }, name
+            assert state["master"][1] == tuple(run["params"][name].shape)
+
+
+def test_a_bf16_step_is_fp32_adamw_on_the_master_rounded_into_the_weight() -> None:
+    model = GPTMoE(CFG, seed=0)
+    low = GPTMoE(CFG, seed=0).to(torch.bfloat16)
+    full = _optimizer(model, torch.optim.AdamW)
+    topology = ExpertParallelTopology()
+    zero = _optimizer(low, ZeroAdamW, partition=partition_by_units(build_layout(low, None), topology))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))  # the same starting point as the bf16 model's master
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for p, q in zip(model.parameters(), low.parameters()):
+            grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad, q.grad = grad.float(), grad
+        full.step()
+        zero.step()
+    for (name, p), q in zip(model.named_parameters(), low.parameters()):
+        master = zero.state[q]["master"]
+        assert torch.equal(master, p.detach()), f"{name}: the master is not fp32 AdamW's result"
+        assert torch.equal(q.detach(), master.to(torch.bfloat16)), f"{name}: the weight is not its rounded master"
