@@ -165,6 +165,9 @@ class PECCheckpointer:
         self._pending = [torch.zeros(n, dtype=torch.int64) for n in num_experts]
         self._pending_assigned = [0] * len(num_experts)
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self.state_owners = gather_state_owners(layout, process_group)
+        """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
+        unit is then snapshotted and written whole there. ``None`` when every holder keeps the state (DDP)."""
         self._param_sources: dict[str, dict[str, Any]] | None = None
         self.lineage: Lineage | None = None
         """The run this engine's checkpoints belong to; ``None`` when the engine is used on its own."""
@@ -188,6 +191,7 @@ class PECCheckpointer:
             raise ValueError(f"new layout has experts {layout.num_experts}, expected {self.layout.num_experts}")
         self.layout = layout
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self.state_owners = gather_state_owners(layout, self.process_group)
 
     def size_model(self) -> SizeModel:
         """Eq. 5/6 evaluated on this model's real tensors."""
@@ -368,7 +372,7 @@ class PECCheckpointer:
             name=name,
             units=record.units,
             bytes_written=written,
-            expected_bytes=sum(self.unit_nbytes(u) for u in units),
+            expected_bytes=self._expected_bytes(units),
             seconds=time.perf_counter() - start,
         )
         if self._is_coordinator:  # after the commit, and after the persist's clock
@@ -539,7 +543,11 @@ class PECCheckpointer:
         return self._param_sources
 
     def _writes(self, units: Sequence[Unit], state: dict[str, torch.Tensor]) -> dict[str, RowRange] | None:
-        """Rows of every local tensor this rank writes, from the ownership of ``units``."""
+        """Rows of every local tensor this rank writes, from the ownership of ``units``; under ZeRO, the whole
+        tensors of the units whose optimizer state this rank keeps (no other rank holds that state)."""
+        if self.state_owners is not None:
+            mine = {u.key for u in units if self.state_owners[u.key] == self.topology.rank}
+            return {k: _whole_rows(t) for k, t in state.items() if parse_unit(k).key in mine}
         if self.cfg.sharding == "dcp_default":
             return None
         topology = Topology(self.topology.world_size, self.topology.ep)
@@ -581,20 +589,40 @@ class PECCheckpointer:
         """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it."""
         return self.layout.unit_bytes(self.local_twin(unit)).total
 
+    def _expected_bytes(self, units: Sequence[Unit]) -> int:
+        """Bytes of ``units`` in all (eq. 6's count); under ZeRO each unit as its state owner holds it, summed
+        over the persist group (collective then), since only the owner holds the unit's optimizer state."""
+        if self.state_owners is None:
+            return sum(self.unit_nbytes(u) for u in units)
+        rank = self.topology.rank
+        total = torch.tensor([sum(self.layout.unit_bytes(u).total for u in units if self.state_owners[u.key] == rank)])
+        if dist.is_initialized():
+            dist.all_reduce(total, group=self.process_group)
+        return int(total.item())
+
     def snapshot_share_bytes(self, with_optimizer_state: bool = False, complete: bool = False) -> int:
         """What one rank's snapshot slot should hold at the current ``k_snapshot`` (``complete``: with every
         expert, as the snapshot of a complete first persist).
 
         Snapshot ownership spreads the dense units and ``k_snapshot`` experts per MoE layer over the ranks
-        in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance.
-        ``with_optimizer_state``: before the optimizer's first step (no state yet), count the state it will
-        create (:func:`expected_state_ratio` of the weights).
+        in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance. Under
+        ZeRO each unit is snapshotted by its state owner: this rank's dense units and, per MoE layer, its
+        ``k_snapshot`` largest experts. ``with_optimizer_state``: before the optimizer's first step (no state
+        yet), count the state it will create (:func:`expected_state_bytes`).
         """
         def nbytes(unit: Unit) -> int:
             size = self.layout.unit_bytes(self.local_twin(unit))
             if with_optimizer_state and size.optimizer == 0:
-                return size.weights + int(size.weights * expected_state_ratio(self.layout.optimizer))
+                return size.weights + expected_state_bytes(self.layout, self.local_twin(unit))
             return size.total
+
+        if self.state_owners is not None:
+            mine = [u for u in self.layout.units if self.state_owners[u.key] == self.topology.rank]
+            total = sum(nbytes(u) for u in mine if not isinstance(u, ExpertUnit))
+            for layer, n in enumerate(self.layout.num_experts):
+                sizes = sorted((nbytes(u) for u in mine if isinstance(u, ExpertUnit) and u.layer == layer), reverse=True)
+                total += sum(sizes[: n if complete else self.dynamic_k.k_snapshot])
+            return total
 
         dense = [nbytes(u) for u in self.layout.dense_units]
         experts = [nbytes(ExpertUnit(layer, 0)) for layer in range(len(self.layout.num_experts))]
@@ -791,6 +819,36 @@ class PECCheckpointer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.process_group)
+
+
+def expected_state_bytes(layout: Layout, unit: Unit) -> int:
+    """Optimizer state ``unit`` will have once stepped, for sizing before the optimizer has created any: what the
+    optimizer says (``state_nbytes``, :class:`moc_lightning.zero.ZeroAdamW`), else :func:`expected_state_ratio`
+    of its weights."""
+    optimizer = layout.optimizer
+    state_nbytes = getattr(optimizer, "state_nbytes", None)
+    if state_nbytes is not None:
+        return sum(state_nbytes(layout.params[name]) for name in layout.param_names(unit))
+    return int(layout.unit_bytes(unit).weights * expected_state_ratio(optimizer))
+
+
+def gather_state_owners(layout: Layout, group: dist.ProcessGroup | None) -> dict[str, int] | None:
+    """Every unit's ZeRO state owner (:attr:`Layout.state_owners` of each rank, gathered: collective under ZeRO),
+    by unit key; ``None`` without ZeRO."""
+    local = layout.state_owners
+    if local is None:
+        return None
+    mine = {u.key: r for u, r in local.items()}
+    parts: list[dict[str, int]] = [mine]
+    if dist.is_initialized():
+        parts = [{}] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    owners: dict[str, int] = {}
+    for part in parts:
+        for key, rank in part.items():
+            if owners.setdefault(key, rank) != rank:
+                raise ValueError(f"ranks disagree on the ZeRO owner of unit {key} ({owners[key]} and {rank})")
+    return owners
 
 
 def expected_state_ratio(optimizer: torch.optim.Optimizer | None) -> float:

@@ -177,6 +177,18 @@ class Layout:
         return tuple(sorted(self.slots))
 
     @cached_property
+    def state_owners(self) -> Mapping[Unit, int] | None:
+        """Under ZeRO (an optimizer with ``unit_owners``, :class:`moc_lightning.zero.ZeroAdamW`): the rank that keeps
+        each local unit's optimizer state. ``None`` when every holder of a unit keeps its state (DDP)."""
+        owners = getattr(self.optimizer, "unit_owners", None)
+        return None if owners is None else owners(self)
+
+    def keeps_state(self, param_name: str) -> bool:
+        """Whether this rank keeps the optimizer state of ``param_name`` (under ZeRO only its owner does)."""
+        holds = getattr(self.optimizer, "holds_state", None)
+        return holds is None or holds(self.params[param_name])
+
+    @cached_property
     def expert_units(self) -> tuple[ExpertUnit, ...]:
         return tuple(u for u in self.units if isinstance(u, ExpertUnit))
 
@@ -264,7 +276,7 @@ class Layout:
         of the stored shapes and dtypes, ready to be loaded into in place.
 
         ``specs`` holds the optimizer-state keys a restore's sources hold (slot entries, DCP metadata); a
-        parameter with none has no state afterwards, as it had none when it was saved (frozen, or an expert
+        parameter with none, or whose state another rank keeps (ZeRO), has no state afterwards, as it had none when it was saved (frozen, or an expert
         without tokens). Nothing is stepped: a zero-gradient step would decay state already loaded, and
         costs a full optimizer step. A stacked parameter's state is created whole (``[E, ...]``) from its
         experts' slices; a state that was not sliced (Adam's scalar ``step``) is shared by its experts.
@@ -286,7 +298,7 @@ class Layout:
         groups = {p: group for group in self.optimizer.param_groups for p in group["params"]}
         for name, states in wanted.items():
             param = self.params[name]
-            if not states:
+            if not states or not self.keeps_state(name):
                 self.optimizer.state.pop(param, None)
                 continue
             fresh = {}

@@ -18,8 +18,9 @@ Timeline of one snapshot step ``t`` (MoC-System Figures 3 and 9):
    over the process group) or storage.
 
 Snapshot ownership is at unit granularity: each unit is copied whole by one rank (dense units spread by
-the sharding strategy, each expert by one of its replicas, alternating), so a lost node loses whole units
-and every other unit can still come from memory.
+the sharding strategy, each expert by one of its replicas, alternating; under ZeRO, the rank that keeps the
+unit's optimizer state, the only one that can), so a lost node loses whole units and every other unit can
+still come from memory.
 """
 
 from __future__ import annotations
@@ -287,6 +288,8 @@ class TwoLevelCheckpointer:
 
     def _plan_owners(self, units: Sequence[Unit]) -> dict[str, int]:
         pec = self.pec
+        if pec.state_owners is not None:  # ZeRO: only the state owner holds the unit whole
+            return {u.key: pec.state_owners[u.key] for u in units}
         world, ep = pec.topology.world_size, pec.topology.ep
         sharding_units = []
         for unit in units:
@@ -557,11 +560,13 @@ class TwoLevelCheckpointer:
                 flat = flat.cpu()
             if unit in layout.slots:
                 live = layout.tensors([unit])
+                others_state = not all(layout.keeps_state(name) for name in layout.param_names(unit))
                 with torch.no_grad():
                     for k, piece in zip(keys, flat.split(sizes)):
                         shape, dtype = specs[k]
-                        if k not in skip:
-                            live[k].copy_(piece.view(dtype).view(shape))
+                        if k in skip or (k not in live and others_state and "/optim/" in k):
+                            continue  # under ZeRO another rank keeps this unit's optimizer state
+                        live[k].copy_(piece.view(dtype).view(shape))
 
     def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:
         """Snapshots newer than the resume step belong to a timeline that no longer exists."""

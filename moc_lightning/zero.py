@@ -145,6 +145,30 @@ class ZeroAdamW(torch.optim.AdamW):
         """Whether this rank keeps ``param``'s optimizer state (a restore creates state only where it does)."""
         return self.partition.holds_state(param)
 
+    def unit_owners(self, layout: Layout) -> dict[Unit, int]:
+        """The rank keeping each unit's optimizer state (:meth:`ZeroPartition.unit_owners`): a checkpoint snapshots
+        and writes each unit whole there."""
+        return self.partition.unit_owners(layout)
+
+    def state_nbytes(self, param: nn.Parameter) -> int:
+        """Bytes of optimizer state ``param`` has on its owner once stepped: moments (and master) in fp32, and
+        the step; what a snapshot slot is sized for before the first step."""
+        tensors = 2 if param.dtype == MASTER_DTYPE else 3
+        return param.numel() * MASTER_DTYPE.itemsize * tensors + MASTER_DTYPE.itemsize
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Torch's load, but the moments and master stay fp32 (torch casts floating state to the parameter's
+        dtype, which would round a bf16 parameter's fp32 state to bf16)."""
+        super().load_state_dict(state_dict)
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        by_id = dict(zip(ids, params))
+        for param_id, saved in state_dict["state"].items():
+            live = self.state[by_id[param_id]]
+            for name, value in saved.items():
+                if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    live[name] = value.to(dtype=MASTER_DTYPE, device=by_id[param_id].device, copy=True)
+
     def _init_group(
         self,
         group: dict[str, Any],

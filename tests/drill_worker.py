@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--persist-every", type=int, default=2)
     parser.add_argument("--k-snapshot", type=int, default=4)
     parser.add_argument("--k-persist", type=int, default=1)
+    parser.add_argument("--data-parallel", default="ddp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = CheckpointConfig(
@@ -89,7 +90,7 @@ def main() -> None:
         dynamic_k=DynamicKConfig(enabled=False),
     )
     moc = MoCCheckpoint(config)
-    module = GPTMoEModule(MODEL, ep=2, seed=0)
+    module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel)
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     trainer = L.Trainer(
         accelerator="cpu",

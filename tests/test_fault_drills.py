@@ -24,24 +24,29 @@ ROOT = Path(__file__).resolve().parents[1]
 EVERY, PERSIST_EVERY = 5, 2  # snapshots at 5, 10, 15, ...; persists at 5, 15, 25, ...
 
 pytestmark = pytest.mark.slow
+MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+"""The drills the issue names run under DDP and under ZeRO-2 (each unit then snapshotted and written whole by
+the rank keeping its optimizer state; the capture holds each rank's own share of the optimizer state)."""
 
 
-def launch_drill(out: Path, fault: str, max_steps: int = 30) -> subprocess.CompletedProcess[str]:
+def launch_drill(
+    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp"
+) -> subprocess.CompletedProcess[str]:
     """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
         "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
-        "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY),
+        "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY), "--data-parallel", data_parallel,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
-def run_drill(out: Path, fault: str, max_steps: int = 30) -> list[dict]:
+def run_drill(out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp") -> list[dict]:
     """Run the 4-rank job with the fault; return each rank's recovery report."""
-    launch_drill(out, fault, max_steps)
+    launch_drill(out, fault, max_steps, data_parallel)
     return [json.loads((out / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -50,16 +55,22 @@ def _capture(out: Path, rank: int, step: int) -> dict:
 
 
 def check_bitwise(out: Path, reports: list[dict]) -> None:
-    """Every restored tensor equals the captured version of its source step on the same rank."""
+    """Every restored tensor equals the captured version of its source step on the same rank, and every unit
+    has exactly the tensors it had then on that rank (no optimizer state lost, none made up)."""
     for rank, report in enumerate(reports):
         restored = torch.load(out / "capture" / f"restored_rank{rank}.pt", weights_only=False)
         assert restored["step"] == report["resume_step"]
-        for key, tensor in restored["tensors"].items():
-            step = report["sources"][parse_unit(key).key]["step"]
+        captures: dict[int, dict] = {}
+        for unit, source in report["sources"].items():
+            step = source["step"]
             if step == NEVER:
                 continue
-            expected = _capture(out, rank, step)["tensors"][key]
-            assert torch.equal(tensor, expected), f"rank {rank}: {key} differs from its version at step {step}"
+            captured = captures.setdefault(step, _capture(out, rank, step)["tensors"])
+            expected = {k: t for k, t in captured.items() if parse_unit(k).key == unit}
+            got = {k: t for k, t in restored["tensors"].items() if parse_unit(k).key == unit}
+            assert sorted(got) == sorted(expected), f"rank {rank}: {unit} holds other tensors than at step {step}"
+            for key, tensor in got.items():
+                assert torch.equal(tensor, expected[key]), f"rank {rank}: {key} differs from its version at step {step}"
 
 
 def plt_by_hand(out: Path, resume: int, source_step: dict[str, int]) -> float:
@@ -81,8 +92,9 @@ def _steps(report: dict) -> dict[str, int]:
     return {unit: source["step"] for unit, source in report["sources"].items()}
 
 
-def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path) -> None:
-    reports = run_drill(tmp_path, "rank=1,step=23,phase=train")
+@MODES
+def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path, data_parallel: str) -> None:
+    reports = run_drill(tmp_path, "rank=1,step=23,phase=train", data_parallel=data_parallel)
     for rank, report in enumerate(reports):
         assert report["resume_step"] == 20
         levels = {source["level"] for source in report["sources"].values()}
@@ -93,8 +105,9 @@ def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path)
     assert reports[1]["plt"] == pytest.approx(plt_by_hand(tmp_path, 20, _steps(reports[1])), rel=1e-9)
 
 
-def test_node_loss_takes_the_lost_nodes_units_from_storage(tmp_path: Path) -> None:
-    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1")
+@MODES
+def test_node_loss_takes_the_lost_nodes_units_from_storage(tmp_path: Path, data_parallel: str) -> None:
+    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel=data_parallel)
     report = reports[2]
     resume = report["resume_step"]
     assert resume == 15, "dense units of step 20 were partly on the lost node: back to the persisted step"
@@ -115,8 +128,9 @@ def test_node_loss_takes_the_lost_nodes_units_from_storage(tmp_path: Path) -> No
     assert report["plt"] < storage_plt
 
 
-def test_crash_in_the_middle_of_a_snapshot_uses_the_previous_one(tmp_path: Path) -> None:
-    reports = run_drill(tmp_path, "rank=1,step=20,phase=snapshot")
+@MODES
+def test_crash_in_the_middle_of_a_snapshot_uses_the_previous_one(tmp_path: Path, data_parallel: str) -> None:
+    reports = run_drill(tmp_path, "rank=1,step=20,phase=snapshot", data_parallel=data_parallel)
     assert {r["resume_step"] for r in reports} == {15}, "the torn slot of step 20 is never used"
     assert all(s["step"] <= 15 for r in reports for s in r["sources"].values())
     check_bitwise(tmp_path, reports)
@@ -139,8 +153,9 @@ def test_a_torn_first_snapshot_takes_every_rank_down_the_same_path(tmp_path: Pat
     assert [s.start_step for s in manifest.lineage.segments] == [0, 0], "one restart, from step 0"
 
 
-def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tmp_path: Path) -> None:
-    reports = run_drill(tmp_path, "rank=0,step=15,phase=persist")
+@MODES
+def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tmp_path: Path, data_parallel: str) -> None:
+    reports = run_drill(tmp_path, "rank=0,step=15,phase=persist", data_parallel=data_parallel)
     for report in reports:
         stored = {s["step"] for s in report["sources"].values() if s["level"] == "storage"}
         assert 15 not in stored, "the uncommitted checkpoint of step 15 is never read"
