@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from dist_utils import run_ranks
 from lightning_run import MODEL, cpu_trainer, datamodule, moc_config
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.data import LMDataModule
+from moc_lightning.layout import build_layout
 from moc_lightning.models.causal_lm import Batch
 from moc_lightning.models.lightning import GPTMoEModule
 
@@ -33,10 +36,10 @@ def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _fit(tmp_path: Path, max_steps: int = 4) -> tuple[MoCCheckpoint, Evaluated, LMDataModule, object]:
-    """A fit of the reference model with MoC alone, snapshotting every 2 steps (and persisting the last whole)."""
+def _fit(tmp_path: Path, devices: int = 1) -> tuple[MoCCheckpoint, Evaluated, LMDataModule, L.Trainer]:
+    """4 steps of the reference model with MoC alone, snapshotting every 2 steps (and persisting the last whole)."""
     moc = MoCCheckpoint(moc_config(tmp_path, every_n_train_steps=2))
-    trainer = cpu_trainer(tmp_path / "run", max_steps, [moc], limit_test_batches=2)
+    trainer = cpu_trainer(tmp_path / "run", 4, [moc], devices=devices, limit_test_batches=2)
     model, data = Evaluated(MODEL, seed=0), datamodule()
     trainer.fit(model, datamodule=data)
     return moc, model, data, trainer
@@ -109,3 +112,35 @@ def test_fit_with_last_resumes_through_moc(tmp_path: Path) -> None:
     trainer.fit(Evaluated(MODEL, seed=0), datamodule=datamodule(), ckpt_path="last")
     assert moc.recovery is not None and moc.recovery.resume_step == 4
     assert trainer.global_step == 6
+
+
+def _unit_tensors(module: Evaluated) -> dict[str, torch.Tensor]:
+    """The module's weights and buffers under unit keys, which name experts by their global id."""
+    layout = build_layout(module, None, expert_parallel=module.expert_topology.ep)
+    return {k: t.clone() for k, t in layout.model_tensors(layout.units).items()}
+
+
+def _evaluate(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    tmp_path = Path(root)
+    data = datamodule()
+    data.setup()
+    trainer = cpu_trainer(tmp_path / "eval", 1, [MoCCheckpoint(moc_config(tmp_path))], devices=world_size,
+                          limit_test_batches=2)
+    fresh = Evaluated(MODEL, seed=1)
+    trainer.test(fresh, dataloaders=data.val_dataloader(), ckpt_path="last", verbose=False)
+    assert fresh.expert_topology.ep == world_size
+    return _unit_tensors(fresh)
+
+
+@pytest.mark.slow
+def test_two_expert_parallel_ranks_evaluate_a_one_rank_checkpoint(tmp_path: Path) -> None:
+    """Each of 2 ranks (EP degree 2) loads its own experts and every dense unit of a checkpoint 1 rank wrote;
+    storage is left as it was."""
+    _, model, _, _ = _fit(tmp_path)
+    fitted = _unit_tensors(model)
+    stored = _stored(tmp_path / "ckpt")
+    ranks = run_ranks(_evaluate, 2, tmp_path, str(tmp_path), init_process_group=False)
+    assert ranks[0].keys() != ranks[1].keys(), "each rank holds other experts"
+    for loaded in ranks:
+        assert loaded and all(torch.equal(t, fitted[k]) for k, t in loaded.items())
+    assert _stored(tmp_path / "ckpt") == stored
