@@ -23,6 +23,12 @@ Router counts for PLT come from the LightningModule's ``moe_layers()`` when it h
 need it (Dynamic-K, load-aware selection) are refused. ``expert_topology`` (an
 :class:`ExpertParallelTopology`) is the other optional member; without it every rank holds every expert.
 How it stands beside ``enable_checkpointing`` and a ``ModelCheckpoint``: :mod:`moc_lightning.coexistence`.
+
+``ckpt_path`` outside ``fit`` (``validate``, ``test``, ``predict``), with MoC the Trainer's only checkpoint
+callback: ``None`` with the model evaluates its current weights (after ``fit``, those it ended with, which
+the final persist wrote); ``"last"`` (which is ``moc.resume_target()``) or the storage URL loads MoC's newest
+committed checkpoint, read-only (:mod:`moc_lightning.evaluation`); ``"best"``, which Lightning also takes
+for a call without a model, is refused: MoC monitors no metric. ``fit(ckpt_path="last")`` resumes through MoC.
 """
 
 from __future__ import annotations
@@ -42,16 +48,18 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
-from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints
+from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints, resolve_last
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.evaluation import load_newest, no_best
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.hf_format import describe_model
-from moc_lightning.layout import build_layout
+from moc_lightning.layout import Layout, build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
@@ -69,6 +77,7 @@ class MoCCheckpoint(Checkpoint):
     def __init__(self, config: CheckpointConfig | None = None, layout_preset: str = "auto") -> None:
         super().__init__()
         allow_with_checkpointing_disabled(lambda callback: isinstance(callback, MoCCheckpoint))
+        resolve_last(_last_through_moc)
         self.config = config or CheckpointConfig()
         self.layout_preset = layout_preset
         self.engine: TwoLevelCheckpointer | None = None
@@ -101,6 +110,13 @@ class MoCCheckpoint(Checkpoint):
         self._default_url(default_root_dir)
         storage = make_storage(self.config.storage.backend, self.config.storage.url)
         return self.config.storage.url if storage.get(MANIFEST) is not None else None
+
+    @property
+    def best_model_path(self) -> str:
+        """Refused (:func:`~moc_lightning.evaluation.no_best`): Lightning reads it for ``ckpt_path="best"``, and MoC
+        monitors no metric."""
+        fn = self._trainer.state.fn if self._trainer is not None else None
+        raise no_best(fn.value if fn is not None else None, self.config.storage.url)
 
     def _default_url(self, default_root_dir: str | Path | None) -> None:
         if not self.config.storage.url and default_root_dir is not None:
@@ -140,12 +156,7 @@ class MoCCheckpoint(Checkpoint):
         if self.engine is not None:
             self.engine.pec.attach(layout)
             return
-        storage = make_storage(self.config.storage.backend, self.config.storage.url)
-        persist_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        pec = PECCheckpointer(
-            self.config, layout, topology, storage, backend=self.config.storage.backend, process_group=persist_group
-        )
-        pec.model_description = describe_model(pl_module)
+        pec = self._new_pec(pl_module, layout, topology)
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
         check_shm_root(self.config, pec, slot_root.parent)
@@ -156,6 +167,22 @@ class MoCCheckpoint(Checkpoint):
         self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
+
+    def _new_pec(
+        self, pl_module: L.LightningModule, layout: Layout, topology: ExpertParallelTopology
+    ) -> PECCheckpointer:
+        """A PEC engine on this run's storage, with a process group of its own (the engine's, once there is one:
+        creating a group is collective)."""
+        storage = make_storage(self.config.storage.backend, self.config.storage.url)
+        if self.engine is not None:
+            group = self.engine.pec.process_group
+        else:
+            group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        pec = PECCheckpointer(
+            self.config, layout, topology, storage, backend=self.config.storage.backend, process_group=group
+        )
+        pec.model_description = describe_model(pl_module)
+        return pec
 
     def _check_counts(self) -> None:
         """Once PLT turns out unknown: refuse the options that need it, else warn once."""
@@ -186,9 +213,11 @@ class MoCCheckpoint(Checkpoint):
 
         Collective: every rank plans from the same manifest and the slot inventories of all ranks. When no
         consistent state of this run survives, training starts over from step 0 in the same lineage (one line
-        says why) instead of failing on every restart.
+        says why) instead of failing on every restart. Outside ``fit``: :meth:`_newest_weights`.
         """
         module = self._module
+        if self._trainer.state.fn != TrainerFn.FITTING:
+            return self._newest_weights(module)
         optimizer = _fresh_optimizer(module)
         self._build_engine(module, optimizer)
         engine = self.engine
@@ -212,6 +241,14 @@ class MoCCheckpoint(Checkpoint):
         checkpoint["optimizer_states"] = [optimizer_state]
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.engine.pec.state_dict()
         return checkpoint
+
+    def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
+        """What ``validate``/``test``/``predict`` with the storage URL restore: the newest committed weights,
+        loaded by an engine of their own (:func:`load_newest`); the training engine and the lineage stay as they are."""
+        topology = getattr(module, "expert_topology", None) or ExpertParallelTopology.replicated()
+        layout = build_layout(module, None, preset=self.layout_preset, expert_parallel=topology.ep)
+        step = load_newest(self._new_pec(module, layout, topology), self._trainer.state.fn.value)
+        return {"pytorch-lightning_version": L.__version__, "global_step": step, "state_dict": module.state_dict()}
 
     def _fresh_checkpoint(self, module: L.LightningModule, why: str) -> dict[str, Any]:
         """What Lightning restores when there is nothing to resume: the module as it is, fresh everything else."""
@@ -465,6 +502,16 @@ class _MoCCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.delegate.teardown()
+
+
+def _last_through_moc(trainer: L.Trainer) -> str | None:
+    """What ``ckpt_path="last"`` means with MoC the Trainer's only checkpoint callback: ``moc.resume_target()``
+    (the storage URL once MoC has a manifest there). ``None`` (beside another checkpoint callback, or nothing to
+    resume) leaves ``"last"`` to Lightning."""
+    callbacks = trainer.checkpoint_callbacks
+    if len(callbacks) != 1 or not isinstance(callbacks[0], MoCCheckpoint):
+        return None
+    return callbacks[0].resume_target(trainer.default_root_dir)
 
 
 def _fresh_optimizer(module: L.LightningModule) -> torch.optim.Optimizer:

@@ -13,18 +13,23 @@ storage URL>)`` resumes through MoC, any other path through Lightning (MoC then 
 :func:`check_other_checkpoints` refuses the two cases where that cannot be right: expert parallelism (each
 rank holds other experts; Lightning writes rank 0's state only) and a ``ModelCheckpoint`` writing into MoC's
 storage root (a new lineage would move its files aside).
+
+``ckpt_path="last"`` names the newest of Lightning's own files (``ModelCheckpoint``, ``OnExceptionCheckpoint``);
+with MoC the Trainer's only checkpoint callback :func:`resolve_last` makes it MoC's newest checkpoint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-_WRAPPED = "_moc_allows_checkpointing_disabled"
+_WRAPPED = "_moc_wrapped"
 
 
 def allow_with_checkpointing_disabled(is_moc: Callable[[Callback], bool]) -> None:
@@ -35,17 +40,49 @@ def allow_with_checkpointing_disabled(is_moc: Callable[[Callback], bool]) -> Non
     private method of its callback connector: this wraps that method. Lightning 2.6 names it
     ``_configure_checkpoint_callbacks``; a Lightning without it keeps its own check (the tests pin the version).
     """
-    configure = getattr(_CallbackConnector, "_configure_checkpoint_callbacks", None)
-    if configure is None or getattr(configure, _WRAPPED, False):
+
+    def wrap(configure: Callable[..., None]) -> Callable[..., None]:
+        def configure_checkpoint_callbacks(self: _CallbackConnector, enable_checkpointing: bool) -> None:
+            if not enable_checkpointing and all(is_moc(c) for c in self.trainer.checkpoint_callbacks):
+                return  # checkpointing off: Lightning adds no ModelCheckpoint; MoC is not one and stays
+            configure(self, enable_checkpointing)
+
+        return configure_checkpoint_callbacks
+
+    _wrap_once(_CallbackConnector, "_configure_checkpoint_callbacks", wrap)
+
+
+def resolve_last(last_of: Callable[[L.Trainer], str | None]) -> None:
+    """Let ``ckpt_path="last"`` (of ``fit``, ``validate``, ``test``, ``predict``) mean ``last_of(trainer)``
+    where that is not ``None`` (once per process; ``None`` leaves ``"last"`` to Lightning).
+
+    Lightning turns ``"last"`` into a path before any callback hook runs, in a private method of its checkpoint
+    connector, from ``ModelCheckpoint`` and ``OnExceptionCheckpoint`` files only: with MoC alone it would warn
+    and load nothing. This wraps that method. Lightning 2.6 names it ``_parse_ckpt_path``; a Lightning
+    without it keeps its own meaning of ``"last"`` (the tests pin the version).
+    """
+
+    def wrap(parse: Callable[..., Any]) -> Callable[..., Any]:
+        def parse_ckpt_path(
+            self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if ckpt_path == "last" and (target := last_of(self.trainer)) is not None:
+                return target
+            return parse(self, state_fn, ckpt_path, *args, **kwargs)
+
+        return parse_ckpt_path
+
+    _wrap_once(_CheckpointConnector, "_parse_ckpt_path", wrap)
+
+
+def _wrap_once(owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace the method ``owner.name`` by ``wrap(method)``, unless it is missing or wrapped already."""
+    method = getattr(owner, name, None)
+    if method is None or getattr(method, _WRAPPED, False):
         return
-
-    def configure_checkpoint_callbacks(self: _CallbackConnector, enable_checkpointing: bool) -> None:
-        if not enable_checkpointing and all(is_moc(c) for c in self.trainer.checkpoint_callbacks):
-            return  # checkpointing off: Lightning adds no ModelCheckpoint; MoC is not one and stays
-        configure(self, enable_checkpointing)
-
-    setattr(configure_checkpoint_callbacks, _WRAPPED, True)
-    _CallbackConnector._configure_checkpoint_callbacks = configure_checkpoint_callbacks  # type: ignore[method-assign]
+    wrapped = wrap(method)
+    setattr(wrapped, _WRAPPED, True)
+    setattr(owner, name, wrapped)
 
 
 def check_other_checkpoints(trainer: L.Trainer, moc: Checkpoint, ep: int, storage_root: Path | None) -> None:

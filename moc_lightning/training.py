@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import lightning as L
 from hydra.core.config_store import ConfigStore
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy
@@ -138,6 +138,11 @@ def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callbac
     # On SLURM, requeue is submitit's and resume is MoC's: Lightning's own auto-requeue would save a rank-0
     # ``hpc_ckpt`` (missing other ranks' experts) and restore it on top of the MoC recovery.
     plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+    callbacks = list(callbacks or [])
+    if t.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+        # max_steps bounds the run, so Lightning sets max_epochs=-1, which Lightning 2.6's default bar where
+        # ``rich`` is installed shows as "Epoch 0/-2" (Lightning-AI/pytorch-lightning#21925); tqdm's shows the epoch.
+        callbacks.append(TQDMProgressBar())
     return L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -152,8 +157,8 @@ def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callbac
         gradient_clip_val=t.gradient_clip_val or None,
         logger=CSVLogger(save_dir=str(output_dir), name="logs"),  # logs/version_N: one per (re)start
         default_root_dir=str(output_dir),
-        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks or []),
-        callbacks=callbacks or [],
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks),
+        callbacks=callbacks,
         enable_progress_bar=t.enable_progress_bar,
         plugins=plugins,
     )

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_run import MODEL, cpu_trainer, datamodule, fit, moc_config
 
 from moc_lightning.callback import MoCCheckpoint
@@ -92,3 +93,13 @@ def test_recipe_trainer_shows_the_progress_bar(tmp_path: Path, option: dict[str,
     config = TrainConfig(trainer=TrainerConfig(devices=1, **option))
     trainer = build_trainer(config, tmp_path, [_moc(tmp_path)])
     assert (trainer.progress_bar_callback is not None) == shown
+
+
+def test_recipe_progress_bar_shows_no_negative_epoch_total(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Failed on c9969fb: "Epoch 0/-2". The recipe bounds a run by ``max_steps``, so Lightning sets
+    ``max_epochs=-1``, and Lightning 2.6's rich bar (its default where ``rich`` is installed) shows
+    ``max_epochs - 1`` as the last epoch (Lightning-AI/pytorch-lightning#21925, fixed in 2.7)."""
+    config = TrainConfig(trainer=TrainerConfig(devices=1, max_steps=3, val_check_interval=2, limit_val_batches=1))
+    build_trainer(config, tmp_path).fit(BoringModel())
+    shown = "".join(capfd.readouterr())
+    assert "Epoch 0" in shown and "/-2" not in shown
