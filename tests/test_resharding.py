@@ -45,3 +45,46 @@ def test_load_under_another_topology(
         check_round_trip(written | result)
     experts = {parse_unit(k).key for r in loaded for k in r["loaded"] if k.startswith("expert/")}
     assert len(experts) == 2 * 8, "every expert of both MoE layers is restored somewhere"
+
+
+@pytest.fixture(scope="module")
+def written_under_zero2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """As :func:`written_by_4_ranks_ep2`, trained and written under ZeRO-2: each rank captured and wrote only
+    the optimizer state it keeps; merged, the captures hold every unit's whole state."""
+    root = tmp_path_factory.mktemp("reshard_zero")
+    url = (root / "ckpt").as_uri()
+    results = run_ranks(train_and_checkpoint, 4, root, url, 2, "filesystem", True)
+    merged = dict(results[0])
+    merged["captured"] = {
+        step: {key: t for r in results for key, t in r["captured"][step].items()} for step in (2, 4)
+    }
+    return url, merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "ep"), [(2, 2), (1, None)])
+def test_a_zero2_checkpoint_loads_under_ddp(
+    tmp_path: Path, written_under_zero2: tuple[str, dict], world_size: int, ep: int | None
+) -> None:
+    """ZeRO-2 on 4 ranks (EP 2) -> DDP on 2 ranks (EP 2) and on 1 process: every rank gets every state it holds."""
+    url, written = written_under_zero2
+    loaded = [load_fresh(0, 1, url)] if world_size == 1 else run_ranks(load_fresh, world_size, tmp_path, url, ep)
+    for result in loaded:
+        check_round_trip(written | result)
+        assert any("/optim/" in k for k in result["loaded"]), "the optimizer state came back too"
+    assert {k for k in written["captured"][4] if k.startswith("dense/")} <= set(loaded[0]["loaded"])
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_loads_under_zero2(tmp_path: Path, written_by_4_ranks_ep2: tuple[str, dict]) -> None:
+    """DDP on 4 ranks (EP 2) -> ZeRO-2 on 2 ranks (EP 1): each rank loads the weights it holds and the
+    optimizer state it keeps, and the two ranks' kept state covers every unit exactly once."""
+    url, written = written_by_4_ranks_ep2
+    if written["backend"] != "filesystem":
+        pytest.skip("one storage backend is enough for the mode change (the backends have their own test above)")
+    loaded = run_ranks(load_fresh, 2, tmp_path, url, 1, "filesystem", True)
+    for result in loaded:
+        check_round_trip(written | result)
+    kept = [{k for k in r["loaded"] if "/optim/" in k} for r in loaded]
+    assert kept[0] and kept[1] and not kept[0] & kept[1], "each state is kept by exactly one of the two ranks"
+    assert kept[0] | kept[1] == {k for k in written["captured"][4] if "/optim/" in k}

@@ -10,6 +10,7 @@ from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.storage import make_storage
+from moc_lightning.zero import ZeroAdamW, partition_by_units
 
 
 TINY = GPTMoEConfig()  # conf/model/tiny.yaml: 4 blocks, 2 MoE layers, N=8, top-2
@@ -17,11 +18,16 @@ BATCH = 8
 
 
 class Trainee:
-    """A model, its optimizer and the router counts of every step, as a test records them by hand."""
+    """A model, its optimizer and the router counts of every step, as a test records them by hand. ``zero``:
+    ZeRO-2 (:class:`ZeroAdamW`, each parameter's state on one of its holders) instead of DDP's replicated state."""
 
-    def __init__(self, topology: ExpertParallelTopology, seed: int = 0) -> None:
+    def __init__(self, topology: ExpertParallelTopology, seed: int = 0, zero: bool = False) -> None:
         self.model = GPTMoE(TINY, topology, seed=seed)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        if zero:
+            partition = partition_by_units(build_layout(self.model, None, expert_parallel=topology.ep), topology)
+            self.optimizer: torch.optim.Optimizer = ZeroAdamW(self.model.parameters(), partition, lr=1e-2)
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.counts: list[list[torch.Tensor]] = []  # per step, per MoE layer: global tokens per expert
         self.assigned: list[list[int]] = []
 
@@ -74,11 +80,11 @@ def every_step_config(k_snapshot: int, k_persist: int, **kw) -> CheckpointConfig
 
 
 def train_and_checkpoint(
-    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem"
+    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem", zero: bool = False
 ) -> dict:
     """Six steps with PEC checkpoints (K=4 of 8) at steps 2 and 4, which save disjoint expert subsets."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
-    trainee = Trainee(topology)
+    trainee = Trainee(topology, zero=zero)
     engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url)
     captured, saved = {}, {}
     for step in range(1, 7):
@@ -92,10 +98,10 @@ def train_and_checkpoint(
 
 
 def load_fresh(
-    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem"
+    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem", zero: bool = False
 ) -> dict:
     """A differently initialised model restored from storage: what it loaded and from which steps."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
-    fresh = Trainee(topology, seed=1)
+    fresh = Trainee(topology, seed=1, zero=zero)
     load = fresh.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url).load_latest()
     return {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
