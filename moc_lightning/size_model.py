@@ -6,10 +6,13 @@ times N. ``B_w`` and ``B_o`` are bytes per parameter read from the live tensors 
 state once the optimizer has created it), not assumed from a dtype. Persistent buffers (norm statistics, a
 per-expert load-balancing bias) are saved with their units too; the paper's equations have no term for
 them, so they are added as bytes, dense ones whole and expert ones in proportion ``K/N`` like expert weights.
+Under ZeRO a rank holds only the optimizer state it keeps; the state other ranks keep is counted as the
+optimizer says it is (``state_nbytes``, exact for :class:`moc_lightning.zero.ZeroAdamW` once it has stepped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,7 +57,7 @@ class SizeModel:
 
 def size_model(layout: Layout) -> SizeModel:
     """Eq. 5/6 terms of the model behind ``layout``."""
-    sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}
+    sizes = {unit: model_unit_bytes(layout, unit) for unit in layout.units}
     p_ne = sum(b.weight_numel for u, b in sizes.items() if not isinstance(u, ExpertUnit))
     p_e_per_layer = tuple(
         _per_expert([b for u, b in sizes.items() if isinstance(u, ExpertUnit) and u.layer == layer.index], layer.prefix)
@@ -76,6 +79,22 @@ def size_model(layout: Layout) -> SizeModel:
         b_w=sum(b.weights for b in sizes.values()) / numel,
         b_o=sum(b.optimizer for b in sizes.values()) / numel,
     )
+
+
+def model_unit_bytes(layout: Layout, unit: Unit) -> UnitBytes:
+    """Bytes of ``unit`` in the model, wherever its optimizer state is kept (see the module docstring)."""
+    local = layout.unit_bytes(unit)
+    state_nbytes = getattr(layout.optimizer, "state_nbytes", None)
+    if state_nbytes is None:
+        return local
+    elsewhere = 0
+    for slot in layout.slots[unit]:
+        if slot.buffer or layout.keeps_state(slot.param):
+            continue
+        param = layout.params[slot.param]
+        share = 1 if slot.index is None else (slot.view or param.shape)[0]  # an expert's slice of a stacked one
+        elsewhere += state_nbytes(param) // share
+    return dataclasses.replace(local, optimizer=local.optimizer + elsewhere)
 
 
 def _per_expert(local: list[UnitBytes], prefix: str) -> int:

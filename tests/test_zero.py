@@ -8,9 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from trainee import every_step_config
 
+from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
+from moc_lightning.storage import make_storage
 from moc_lightning.zero import MASTER_DTYPE, ZeroAdamW, partition_by_units
 
 # Capacity large enough that no token is dropped, so EP and non-EP routing agree exactly.
@@ -32,9 +35,9 @@ def _optimizer(model: GPTMoE, cls: type[torch.optim.AdamW], **kw: object) -> tor
     return cls(groups, lr=1e-2, betas=(0.9, 0.95), **kw)
 
 
-def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool = True) -> dict:
+def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool = True, url: str | None = None) -> dict:
     """STEPS steps on this rank's share of each batch; dense gradients averaged as DDP would. ``zero=False``:
-    torch's AdamW on every rank, as under DDP."""
+    torch's AdamW on every rank, as under DDP. With ``url``, then one K=1 persist there (:func:`_persist`)."""
     topology = ExpertParallelTopology.from_process_group(ep)
     model = GPTMoE(CFG, topology, seed=0).to(dtype)
     if zero:
@@ -57,6 +60,25 @@ def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool =
     return {
         "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
         "state": {names[p]: {k: (v.dtype, tuple(v.shape)) for k, v in s.items()} for p, s in optimizer.state.items()},
+        **(_persist(model, optimizer, url) if url else {}),
+    }
+
+
+def _persist(model: GPTMoE, optimizer: torch.optim.Optimizer, url: str) -> dict:
+    """One K=1 persist: the bytes this rank wrote, the bytes of the units it keeps the state of, and eq. 6."""
+    layout = build_layout(model, optimizer, expert_parallel=model.topology.ep)
+    engine = PECCheckpointer(
+        every_step_config(1, 1), layout, model.topology, make_storage("filesystem", url), process_group=None
+    )
+    engine.record_tokens(model.moe_layers())
+    report = engine.checkpoint(STEPS)
+    rank = model.topology.rank
+    units = [u for u in layout.units if u.key in report.units and engine.state_owners[u.key] == rank]
+    return {
+        "written": report.bytes_written,
+        "kept": sum(layout.unit_bytes(u).total for u in units),
+        "c_pec": engine.size_model().c_pec(1),
+        "expected": report.expected_bytes,
     }
 
 
@@ -90,19 +112,20 @@ def test_the_partition_gives_every_unit_one_owner_among_its_holders(world: int, 
     assert len({r for owners in answers for r in owners.values()}) == world, "every rank owns some state"
 
 
-def _modes(rank: int, world_size: int, ep: int) -> dict:
+def _modes(rank: int, world_size: int, ep: int, url: str) -> dict:
     """One launch of the ranks for every mode the tests compare (a launch costs seconds of imports)."""
     return {
         "zero": _train(rank, world_size, ep, torch.float32),
         "ddp": _train(rank, world_size, ep, torch.float32, False),
-        "zero_bf16": _train(rank, world_size, ep, torch.bfloat16),
+        "zero_bf16": _train(rank, world_size, ep, torch.bfloat16, url=url),
     }
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """4 ranks in 2 EP groups: dense state partitioned over 4 ranks, each expert's over its 2 replicas."""
-    return run_ranks(_modes, 4, tmp_path_factory.mktemp("zero"), 2)
+    root = tmp_path_factory.mktemp("zero")
+    return run_ranks(_modes, 4, root, 2, (root / "ckpt").as_uri())
 
 
 @pytest.mark.slow
@@ -136,6 +159,20 @@ def test_bf16_replicas_stay_equal_and_keep_fp32_state(four_ranks: list[dict]) ->
                 "step": MASTER_DTYPE, "master": MASTER_DTYPE, "exp_avg": MASTER_DTYPE, "exp_avg_sq": MASTER_DTYPE
             }, name
             assert state["master"][1] == tuple(run["params"][name].shape)
+
+
+@pytest.mark.slow
+def test_a_k1_persist_writes_each_ranks_kept_units_and_eq6_over_ranks(four_ranks: list[dict]) -> None:
+    """bf16 weights and fp32 master + moments (the paper's 2 + 12 bytes): each rank writes exactly the units whose
+    optimizer state it keeps, whole; summed over ranks, the bytes match eq. 6 at K=1 within 1%."""
+    runs = [r["zero_bf16"] for r in four_ranks]
+    for rank, run in enumerate(runs):
+        assert run["written"] == run["kept"] > 0, f"rank {rank} wrote other bytes than its kept units'"
+    total = sum(run["written"] for run in runs)
+    c_pec = runs[0]["c_pec"]
+    print(f"ZeRO-2 bf16 K=1 persist: {[r['written'] for r in runs]} bytes per rank, {total} in all; eq. 6 {c_pec:.0f}")
+    assert total == pytest.approx(c_pec, rel=0.01)
+    assert all(run["c_pec"] == c_pec and run["expected"] == total for run in runs), "every rank sees the same eq. 6"
 
 
 def test_a_bf16_step_is_fp32_adamw_on_the_master_rounded_into_the_weight() -> None:
