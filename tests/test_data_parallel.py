@@ -72,3 +72,36 @@ def test_a_zero2_fit_ends_with_ddps_weights_and_partitioned_optimizer_state(tmp_
     owned_experts = [{n for n in r["zero2"]["state"] if ".experts." in n} for r in ranks]
     assert all(owned_experts), "each rank owns some experts' state (every rank holds every expert)"
 
+
+@pytest.mark.parametrize(
+    ("data_parallel", "precision", "weights"),
+    [("ddp", "bf16-mixed", torch.float32), ("zero2", "bf16-mixed", torch.float32), ("zero2", "bf16-true", torch.bfloat16)],
+)
+def test_bf16_precisions_train_with_fp32_optimizer_state(
+    tmp_path: Path, data_parallel: str, precision: str, weights: torch.dtype
+) -> None:
+    """``bf16-mixed``: fp32 weights under autocast; ``bf16-true`` with zero2: bf16 weights, fp32 masters (the
+    paper's mixed precision). Failed on 16aded2 for ``bf16-mixed``: the MoE layer added the experts' bf16
+    outputs into an fp32 buffer (``index_add_(): self (Float) and source (BFloat16)``)."""
+    module = GPTMoEModule(CFG, seed=0, data_parallel=data_parallel)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=2,
+        limit_val_batches=1,
+        val_check_interval=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, datamodule=LMDataModule(DataConfig(batch_size=4), CFG.block_size, CFG.vocab_size))
+    assert {p.dtype for p in module.parameters()} == {weights}
+    state = trainer.optimizers[0].state
+    assert len(state) == len(list(module.parameters()))
+    assert {t.dtype for s in state.values() for t in s.values()} == {torch.float32}
+    masters = [s for s in state.values() if "master" in s]
+    assert len(masters) == (len(state) if weights != torch.float32 else 0), "fp32 masters of bf16 weights only"
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
