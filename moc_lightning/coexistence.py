@@ -10,9 +10,10 @@ check (any other checkpoint callback is still refused by Lightning's own check, 
 
 Beside a ``ModelCheckpoint`` in the same Trainer both save, and each restores its own: ``fit(ckpt_path=<MoC
 storage URL>)`` resumes through MoC, any other path through Lightning (MoC then begins a new lineage).
-:func:`check_other_checkpoints` refuses the two cases where that cannot be right: expert parallelism (each
-rank holds other experts; Lightning writes rank 0's state only) and a ``ModelCheckpoint`` writing into MoC's
-storage root (a new lineage would move its files aside).
+:func:`check_other_checkpoints` refuses the cases where that cannot be right: expert parallelism (each rank
+holds other experts; Lightning writes rank 0's state only), ZeRO-2 over several ranks (each rank holds the
+optimizer state of the parameters it owns; Lightning writes rank 0's partition only) and a ``ModelCheckpoint``
+writing into MoC's storage root (a new lineage would move its files aside).
 
 ``ckpt_path="last"`` names the newest of Lightning's own files (``ModelCheckpoint``, ``OnExceptionCheckpoint``);
 with MoC the Trainer's only checkpoint callback :func:`resolve_last` makes it MoC's newest checkpoint.
@@ -25,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+from moc_lightning.zero import ZeroAdamW
 
 _WRAPPED = "_moc_wrapped"
 
@@ -103,6 +107,13 @@ def check_other_checkpoints(trainer: L.Trainer, moc: Checkpoint, ep: int, storag
             "MoCCheckpoint saves every expert, and keeps Lightning from adding a default ModelCheckpoint "
             "(with enable_checkpointing=True or False)"
         )
+    if any(_partitioned_over_ranks(optimizer) for optimizer in trainer.optimizers):
+        raise ValueError(
+            f"{names} in the Trainer's callbacks cannot checkpoint this run: under ZeRO-2 (trainer.data_parallel="
+            "zero2) each rank keeps the optimizer state of the parameters it owns only, and Lightning saves rank "
+            "0's state only, so its file would lack the optimizer state the other ranks own. Remove it, or train "
+            "with trainer.data_parallel=ddp"
+        )
     for callback in others:
         dirpath = getattr(callback, "dirpath", None)
         if storage_root is not None and dirpath is not None and Path(dirpath).resolve() == storage_root.resolve():
@@ -111,3 +122,9 @@ def check_other_checkpoints(trainer: L.Trainer, moc: Checkpoint, ep: int, storag
                 f"everything found there aside. Give {type(callback).__name__}(dirpath=...) or "
                 "checkpoint.storage.url another directory"
             )
+
+
+def _partitioned_over_ranks(optimizer: torch.optim.Optimizer) -> bool:
+    """A ZeRO optimizer whose state is spread over several ranks; the same answer on every rank (dense parameters
+    are held by all of them)."""
+    return isinstance(optimizer, ZeroAdamW) and any(len(h) > 1 for h in optimizer.partition.holders.values())

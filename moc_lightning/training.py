@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.models.causal_lm import OptimConfig
+from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 
@@ -43,8 +43,13 @@ class TrainerConfig:
     """Expert-parallel degree; must divide devices * num_nodes and model.num_experts. ``null``: all ranks."""
     process_group_backend: str | None = None
     """``gloo`` / ``nccl``; ``null`` lets Lightning choose (gloo on CPU, nccl on GPU)."""
+    data_parallel: str = "ddp"
+    """``ddp`` (every rank keeps the optimizer state of every parameter it holds) or ``zero2`` (ZeRO-2: each
+    parameter's optimizer state, fp32 master weights included, on one of the ranks holding it;
+    :mod:`moc_lightning.zero`). ``fsdp2`` and ``hsdp`` are refused: not implemented yet."""
     precision: str = "32-true"
-    """Lightning precision, e.g. ``bf16-mixed`` on GPU."""
+    """Lightning precision, e.g. ``bf16-mixed`` on GPU; ``bf16-true`` with ``data_parallel=zero2`` keeps bf16
+    weights and fp32 master weights in the optimizer state (the paper's mixed precision)."""
     max_steps: int = 200
     """Optimizer steps to train."""
     val_check_interval: int = 50
@@ -62,6 +67,7 @@ class TrainerConfig:
         for name in ("devices", "num_nodes", "max_steps", "val_check_interval", "log_every_n_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        check_data_parallel(self.data_parallel)
 
     @property
     def world_size(self) -> int:
@@ -167,7 +173,8 @@ def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callbac
 def run(cfg: TrainConfig, output_dir: Path) -> L.Trainer:
     """Train the reference model as configured; returns the finished Trainer."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = GPTMoEModule(cfg.model, cfg.optim, ep=cfg.trainer.ep, seed=cfg.seed)
+    t = cfg.trainer
+    module = GPTMoEModule(cfg.model, cfg.optim, ep=t.ep, seed=cfg.seed, data_parallel=t.data_parallel)
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
     return fit(cfg, module, data, output_dir)
 

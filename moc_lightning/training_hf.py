@@ -42,6 +42,6 @@ def register_configs() -> None:
 def run_hf(cfg: TrainHFConfig, output_dir: Path) -> L.Trainer:
     """Train the configured Hugging Face model; returns the finished Trainer."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = HFCausalLMModule(build_model(cfg.model), cfg.optim)
+    module = HFCausalLMModule(build_model(cfg.model), cfg.optim, data_parallel=cfg.trainer.data_parallel)
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
     return fit(cfg, module, data, output_dir)

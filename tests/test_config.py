@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -11,6 +12,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from moc_lightning.bench import register_configs as register_bench_configs
 from moc_lightning.config import CheckpointConfig
+from moc_lightning import training
 from moc_lightning.training import TrainConfig, register_configs, to_train_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -116,6 +118,9 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.storage.backend=s3"], "checkpoint.storage.backend='s3' is not allowed"),
         (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
         (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),
+        (["trainer.data_parallel=zero3"], "trainer.data_parallel='zero3' is not allowed; choose one of: ddp, zero2"),
+        (["trainer.data_parallel=fsdp2"], "trainer.data_parallel='fsdp2': FSDP2 and HSDP are not implemented yet"),
+        (["trainer.data_parallel=hsdp"], "trainer.data_parallel='hsdp': FSDP2 and HSDP are not implemented yet"),
         (["model.n_head=3"], "model.n_embd=64 must be divisible by model.n_head=3"),
         (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
     ],
@@ -125,6 +130,16 @@ def test_bad_values_name_the_option(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=None) as err:
         to_train_config(cfg)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+def test_the_recipe_trains_its_module_with_the_configured_data_parallel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_parallel: str
+) -> None:
+    fitted: list[L.LightningModule] = []
+    monkeypatch.setattr(training, "fit", lambda cfg, module, data, output_dir: fitted.append(module))
+    training.run(to_train_config(_compose([f"trainer.data_parallel={data_parallel}"])), tmp_path)
+    assert [module.data_parallel for module in fitted] == [data_parallel]
 
 
 def test_checkpoint_config_validates_without_hydra() -> None:
@@ -163,3 +178,15 @@ def test_bad_hf_values_name_the_option(overrides: list[str], message: str) -> No
     with pytest.raises(ValueError) as err:
         _hf_train_config(overrides)
     assert message in str(err.value)
+
+
+def test_the_hf_recipe_trains_its_module_with_the_configured_data_parallel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _hf_train_config(["trainer.data_parallel=zero2"])
+    from moc_lightning import training_hf
+
+    fitted: list[L.LightningModule] = []
+    monkeypatch.setattr(training_hf, "fit", lambda cfg, module, data, output_dir: fitted.append(module))
+    training_hf.run_hf(config, tmp_path)
+    assert [module.data_parallel for module in fitted] == ["zero2"]

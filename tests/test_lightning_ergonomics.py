@@ -78,6 +78,21 @@ def test_a_model_checkpoint_under_expert_parallelism_is_refused(tmp_path: Path) 
         trainer.fit(ExpertParallelModule(MODEL, seed=0), datamodule=datamodule())
 
 
+class ZeroOverTwoRanksModule(GPTMoEModule):
+    """ZeRO-2 over 2 ranks that all hold every expert, as a 2-process ``data_parallel=zero2`` run would be."""
+
+    @property
+    def expert_topology(self) -> ExpertParallelTopology:
+        return ExpertParallelTopology(world_size=2, rank=0, ep=1)
+
+
+def test_a_model_checkpoint_under_zero2_is_refused(tmp_path: Path) -> None:
+    """Failed on 16aded2: no error; the ModelCheckpoint would have saved rank 0's optimizer partition only."""
+    trainer = cpu_trainer(tmp_path / "run", 2, [_moc(tmp_path), ModelCheckpoint(dirpath=tmp_path / "lightning")])
+    with pytest.raises(ValueError, match="would lack the optimizer state the other ranks own"):
+        trainer.fit(ZeroOverTwoRanksModule(MODEL, seed=0, data_parallel="zero2"), datamodule=datamodule())
+
+
 def test_a_model_checkpoint_in_the_moc_storage_root_is_refused(tmp_path: Path) -> None:
     """Failed on 64f2238: no error; Lightning's files went into the MoC storage root, to be moved aside."""
     moc = _moc(tmp_path)

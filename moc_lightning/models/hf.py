@@ -78,10 +78,14 @@ def build_model(cfg: HFModelConfig) -> PreTrainedModel:
 
 
 class HFCausalLMModule(CausalLMModule):
-    """Trains a Hugging Face causal LM; the loss adds the model's router auxiliary loss when it reports one."""
+    """Trains a Hugging Face causal LM; the loss adds the model's router auxiliary loss when it reports one.
 
-    def __init__(self, model: PreTrainedModel, optim: OptimConfig | None = None) -> None:
-        super().__init__(optim)
+    Every rank holds every expert (no expert parallelism); ``data_parallel="zero2"`` partitions the optimizer
+    state over the ranks, each unit's on one of them (the experts of one stacked ``[E, ...]`` tensor together).
+    """
+
+    def __init__(self, model: PreTrainedModel, optim: OptimConfig | None = None, data_parallel: str = "ddp") -> None:
+        super().__init__(optim, data_parallel)
         self.model = model
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -95,9 +95,9 @@ class MoELayer(nn.Module):
 
         dispatch = tokens.new_zeros(n * capacity, shape[-1]).index_copy(0, slot, tokens[kept_token])
         expert_out = self._run_experts(dispatch.view(n, capacity, -1)).reshape(n * capacity, -1)
-        combined = tokens.new_zeros(num_tokens, shape[-1]).index_add(
-            0, kept_token, expert_out[slot] * flat_gate[keep].unsqueeze(-1)
-        )
+        # Under autocast (``bf16-mixed``) the experts answer in bf16; their outputs are summed in the tokens' dtype.
+        weighted = (expert_out[slot] * flat_gate[keep].unsqueeze(-1)).to(tokens.dtype)
+        combined = tokens.new_zeros(num_tokens, shape[-1]).index_add(0, kept_token, weighted)
         return combined.view(shape)
 
     def _run_experts(self, dispatch: torch.Tensor) -> torch.Tensor:
