@@ -165,7 +165,7 @@ class PECCheckpointer:
         self._pending = [torch.zeros(n, dtype=torch.int64) for n in num_experts]
         self._pending_assigned = [0] * len(num_experts)
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
-        self.state_owners = gather_state_owners(layout, process_group)
+        self.state_owners = gather_state_owners(layout)
         """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
         unit is then snapshotted and written whole there. ``None`` when every holder keeps the state (DDP)."""
         self._param_sources: dict[str, dict[str, Any]] | None = None
@@ -191,7 +191,7 @@ class PECCheckpointer:
             raise ValueError(f"new layout has experts {layout.num_experts}, expected {self.layout.num_experts}")
         self.layout = layout
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
-        self.state_owners = gather_state_owners(layout, self.process_group)
+        self.state_owners = gather_state_owners(layout)
 
     def size_model(self) -> SizeModel:
         """Eq. 5/6 evaluated on this model's real tensors."""
@@ -832,17 +832,18 @@ def expected_state_bytes(layout: Layout, unit: Unit) -> int:
     return int(layout.unit_bytes(unit).weights * expected_state_ratio(optimizer))
 
 
-def gather_state_owners(layout: Layout, group: dist.ProcessGroup | None) -> dict[str, int] | None:
-    """Every unit's ZeRO state owner (:attr:`Layout.state_owners` of each rank, gathered: collective under ZeRO),
-    by unit key; ``None`` without ZeRO."""
+def gather_state_owners(layout: Layout) -> dict[str, int] | None:
+    """Every unit's ZeRO state owner (:attr:`Layout.state_owners` of each rank, gathered over the default group on
+    the training thread, where a persist's own group may be busy: collective under ZeRO), by unit key; ``None``
+    without ZeRO."""
     local = layout.state_owners
     if local is None:
         return None
     mine = {u.key: r for u, r in local.items()}
     parts: list[dict[str, int]] = [mine]
     if dist.is_initialized():
-        parts = [{}] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
+        parts = [{}] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
     owners: dict[str, int] = {}
     for part in parts:
         for key, rank in part.items():

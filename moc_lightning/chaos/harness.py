@@ -37,6 +37,7 @@ KILL_PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit")
 DAMAGE_TARGETS = ("data", "metadata", "moc_json", "manifest")
 DAMAGE_OPS = ("flip", "truncate", "delete")
 SECOND_FAULTS = ("none", "node_loss", "damage", "kill_recovery", "kill_train")
+CHAOS_MODES = ("ddp", "zero2")
 HANG_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
@@ -54,6 +55,12 @@ class TrialConfig:
     incarnation_timeout: float = 180.0
     """Seconds an incarnation may take before it counts as hung."""
     pg_timeout: float = 60.0
+    data_parallel: str = "ddp"
+    """``trainer.data_parallel`` of the job: ``ddp`` or ``zero2`` (each unit's optimizer state on one rank)."""
+
+    def __post_init__(self) -> None:
+        if self.data_parallel not in CHAOS_MODES:
+            raise ValueError(f"data_parallel={self.data_parallel!r} is not allowed; chaos trials run {' or '.join(CHAOS_MODES)}")
 
     @property
     def snapshot_steps(self) -> list[int]:
@@ -167,6 +174,7 @@ def run_incarnation(
         "--max-restarts=0", "-m", "moc_lightning.chaos.worker", "--work", str(work), "--shm-root", str(shm_root),
         "--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--persist-every", str(cfg.persist_every),
         "--k-snapshot", str(cfg.k_snapshot), "--k-persist", str(cfg.k_persist), "--pg-timeout", str(cfg.pg_timeout),
+        "--data-parallel", cfg.data_parallel,
     ] + (["--no-moc"] if no_moc else [])  # fmt: skip
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"inc{inc}.log"

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--k-persist", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout in seconds")
     parser.add_argument("--no-moc", action="store_true", help="train without MoC (the reference run)")
+    parser.add_argument("--data-parallel", default="ddp", help="trainer.data_parallel: ddp or zero2")
     args = parser.parse_args()
     torch.set_num_threads(1)
     callbacks: list[L.Callback] = [Oracle(args.work / "oracle")]
@@ -55,7 +56,7 @@ def main() -> None:
             ranks_per_node=2,
         ))
         callbacks.append(moc)
-    module = GPTMoEModule(MODEL, ep=2, seed=0)
+    module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel)
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     trainer = L.Trainer(
         accelerator="cpu",
