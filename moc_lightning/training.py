@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
 from moc_lightning.callback import MoCCheckpoint
@@ -27,6 +27,7 @@ from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL, check_precision, check_shard_size
 
 
 @dataclass
@@ -44,12 +45,19 @@ class TrainerConfig:
     process_group_backend: str | None = None
     """``gloo`` / ``nccl``; ``null`` lets Lightning choose (gloo on CPU, nccl on GPU)."""
     data_parallel: str = "ddp"
-    """``ddp`` (every rank keeps the optimizer state of every parameter it holds) or ``zero2`` (ZeRO-2: each
+    """``ddp`` (every rank keeps the optimizer state of every parameter it holds), ``zero2`` (ZeRO-2: each
     parameter's optimizer state, fp32 master weights included, on one of the ranks holding it;
-    :mod:`moc_lightning.zero`). ``fsdp2`` and ``hsdp`` are refused: not implemented yet."""
+    :mod:`moc_lightning.zero`), ``fsdp2`` (FSDP2 ``fully_shard`` under Lightning's ``ModelParallelStrategy``:
+    weights, gradients and optimizer state sharded over all ranks, each expert's over its replicas) or ``hsdp``
+    (the same within groups of ``hsdp_shard_size`` ranks, replicated across groups;
+    :mod:`moc_lightning.models.sharded`). ``fsdp2`` and ``hsdp`` train the reference model only."""
+    hsdp_shard_size: int | None = None
+    """Under ``data_parallel=hsdp``: ranks per shard group (consecutive ranks; must divide the number of processes
+    and be a multiple of the EP degree). ``null``: ``devices`` (shard within a node, replicate across nodes)."""
     precision: str = "32-true"
     """Lightning precision, e.g. ``bf16-mixed`` on GPU; ``bf16-true`` with ``data_parallel=zero2`` keeps bf16
-    weights and fp32 master weights in the optimizer state (the paper's mixed precision)."""
+    weights and fp32 master weights in the optimizer state (the paper's mixed precision). Under ``fsdp2``/``hsdp``
+    ``32-true`` or ``bf16-mixed`` (an FSDP2 ``MixedPrecisionPolicy``: fp32 sharded master weights, bf16 compute)."""
     max_steps: int = 200
     """Optimizer steps to train."""
     val_check_interval: int = 50
@@ -68,10 +76,24 @@ class TrainerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         check_data_parallel(self.data_parallel)
+        if self.data_parallel in SHARDED_DATA_PARALLEL:
+            check_precision(self.precision)
+        if self.hsdp_shard_size is not None and self.data_parallel != "hsdp":
+            raise ValueError(
+                f"trainer.hsdp_shard_size={self.hsdp_shard_size} is for trainer.data_parallel=hsdp, "
+                f"not {self.data_parallel!r}; leave it null"
+            )
 
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a parameter is sharded over: all under ``fsdp2``, a shard group under ``hsdp``."""
+        if self.data_parallel == "hsdp":
+            return self.hsdp_shard_size or self.devices
+        return self.world_size
 
 
 @dataclass
@@ -108,6 +130,8 @@ class TrainConfig(RecipeConfig):
         ep = ep or self.trainer.world_size
         if self.model.num_experts % ep:
             raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by the EP degree {ep}")
+        if self.trainer.data_parallel == "hsdp":
+            check_shard_size(self.trainer.world_size, self.trainer.shard_size, ep)
         self.checkpoint.validate_for(self.model.num_experts)
 
 
@@ -138,8 +162,12 @@ def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callbac
     benchmark passes its own checkpoint callbacks (``ModelCheckpoint`` among them) through ``callbacks``.
     """
     t = cfg.trainer
-    strategy = "auto"
-    if t.world_size > 1:
+    strategy: str | Strategy = "auto"
+    if t.data_parallel in SHARDED_DATA_PARALLEL:  # even on one rank: the model shards over a device mesh
+        strategy = ModelParallelStrategy(
+            data_parallel_size=t.world_size, tensor_parallel_size=1, process_group_backend=t.process_group_backend
+        )
+    elif t.world_size > 1:
         strategy = DDPStrategy(process_group_backend=t.process_group_backend)
     # On SLURM, requeue is submitit's and resume is MoC's: Lightning's own auto-requeue would save a rank-0
     # ``hpc_ckpt`` (missing other ranks' experts) and restore it on top of the MoC recovery.
@@ -174,7 +202,9 @@ def run(cfg: TrainConfig, output_dir: Path) -> L.Trainer:
     """Train the reference model as configured; returns the finished Trainer."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     t = cfg.trainer
-    module = GPTMoEModule(cfg.model, cfg.optim, ep=t.ep, seed=cfg.seed, data_parallel=t.data_parallel)
+    module = GPTMoEModule(
+        cfg.model, cfg.optim, ep=t.ep, seed=cfg.seed, data_parallel=t.data_parallel, hsdp_shard_size=t.hsdp_shard_size
+    )
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
     return fit(cfg, module, data, output_dir)
 

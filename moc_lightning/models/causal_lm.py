@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -20,26 +21,20 @@ from moc_lightning.layout import build_layout
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.zero import ZeroAdamW, partition_by_units
 
-DATA_PARALLEL = ("ddp", "zero2")
-"""``trainer.data_parallel``: ``ddp`` (optimizer state replicated on every holder of a parameter) or ``zero2``
-(each parameter's optimizer state, fp32 master weights included, on one of its holders; :mod:`moc_lightning.zero`)."""
+DATA_PARALLEL = ("ddp", "zero2", "fsdp2", "hsdp")
+"""``trainer.data_parallel``: ``ddp`` (optimizer state replicated on every holder of a parameter), ``zero2``
+(each parameter's optimizer state, fp32 master weights included, on one of its holders; :mod:`moc_lightning.zero`),
+``fsdp2`` (parameters, gradients and optimizer state sharded over the data-parallel ranks with FSDP2's
+``fully_shard``) or ``hsdp`` (sharded within groups of ranks, replicated across them); the last two for the
+reference model (:mod:`moc_lightning.models.sharded`)."""
 
-DATA_PARALLEL_NOT_IMPLEMENTED = ("fsdp2", "hsdp")
-"""Modes of the design (PyTorch's sharded data parallelism with EP) that are not built yet: refused by name, so a
-config that asks for them fails before training rather than running as something else."""
 
-
-def check_data_parallel(data_parallel: str) -> None:
-    """Refuse a ``trainer.data_parallel`` that is not implemented, saying what is."""
-    allowed = ", ".join(DATA_PARALLEL)
-    if data_parallel in DATA_PARALLEL_NOT_IMPLEMENTED:
+def check_data_parallel(data_parallel: str, supported: tuple[str, ...] = DATA_PARALLEL, by: str = "") -> None:
+    """Refuse a ``trainer.data_parallel`` that is not one of ``supported`` (those of the model ``by``, when given)."""
+    if data_parallel not in supported:
+        where = f" with {by}" if by else ""
         raise ValueError(
-            f"trainer.data_parallel={data_parallel!r}: FSDP2 and HSDP are not implemented yet; choose one of: {allowed}"
-        )
-    if data_parallel not in DATA_PARALLEL:
-        raise ValueError(
-            f"trainer.data_parallel={data_parallel!r} is not allowed; choose one of: {allowed} "
-            f"({' and '.join(DATA_PARALLEL_NOT_IMPLEMENTED)} are not implemented yet)"
+            f"trainer.data_parallel={data_parallel!r} is not supported{where}; choose one of: {', '.join(supported)}"
         )
 
 
@@ -85,10 +80,13 @@ class CausalLMModule(L.LightningModule, ABC):
     """Trains ``self.model`` (set by the subclass) on next-token prediction; logs ``train_loss``/``val_loss``."""
 
     model: nn.Module | None
+    supported_data_parallel: ClassVar[tuple[str, ...]] = ("ddp", "zero2")
+    """The ``trainer.data_parallel`` modes this module trains with (the sharded ones need a model-specific plan)."""
 
     def __init__(self, optim: OptimConfig | None = None, data_parallel: str = "ddp") -> None:
         super().__init__()
         check_data_parallel(data_parallel)
+        check_data_parallel(data_parallel, self.supported_data_parallel, type(self).__name__)
         self.optim_config = optim or OptimConfig()
         self.data_parallel = data_parallel
 
