@@ -50,6 +50,7 @@ from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.tensor import DTensor
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
@@ -147,6 +148,7 @@ class MoCCheckpoint(Checkpoint):
 
     def _build_engine(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer | None) -> None:
         """Create the engine once per process (the persist process group is collective to create)."""
+        check_not_sharded(pl_module)
         topology = getattr(pl_module, "expert_topology", None) or ExpertParallelTopology.replicated()
         check_other_checkpoints(self._trainer, self, topology.ep, local_path(self.config.storage.url))
         layout = build_layout(pl_module, optimizer, preset=self.layout_preset, expert_parallel=topology.ep)
@@ -245,6 +247,7 @@ class MoCCheckpoint(Checkpoint):
     def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
         """What ``validate``/``test``/``predict`` with the storage URL restore: the newest committed weights,
         loaded by an engine of their own (:func:`load_newest`); the training engine and the lineage stay as they are."""
+        check_not_sharded(module)
         topology = getattr(module, "expert_topology", None) or ExpertParallelTopology.replicated()
         layout = build_layout(module, None, preset=self.layout_preset, expert_parallel=topology.ep)
         step = load_newest(self._new_pec(module, layout, topology), self._trainer.state.fn.value)
@@ -439,6 +442,21 @@ class MoCCheckpoint(Checkpoint):
         if not self._warned_not_resumable:
             self._warned_not_resumable = True
             trainer_state.warn_if_not_resumable(trainer)
+
+
+SHARDED_NOT_SUPPORTED = (
+    "MoCCheckpoint supports trainer.data_parallel=ddp and zero2 (DDP, with or without a ZeRO optimizer); MoC support "
+    "of FSDP2/HSDP (trainer.data_parallel=fsdp2|hsdp, DTensor parameters) is not implemented yet: train with "
+    "checkpoint.enabled=false (no MoCCheckpoint)"
+)
+"""Why a sharded model is refused, for the callback and the recipe's config alike."""
+
+
+def check_not_sharded(module: L.LightningModule) -> None:
+    """Refuse a module whose parameters are DTensors (FSDP2 ``fully_shard``, HSDP, tensor parallelism): a unit's
+    state is read as whole local tensors, which a DTensor's local shard is not."""
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise ValueError(f"{type(module).__name__} has DTensor parameters. {SHARDED_NOT_SUPPORTED}")
 
 
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:

@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from moc_lightning.bench import register_configs as register_bench_configs
@@ -118,9 +119,12 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.storage.backend=s3"], "checkpoint.storage.backend='s3' is not allowed"),
         (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
         (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),
-        (["trainer.data_parallel=zero3"], "trainer.data_parallel='zero3' is not allowed; choose one of: ddp, zero2"),
-        (["trainer.data_parallel=fsdp2"], "trainer.data_parallel='fsdp2': FSDP2 and HSDP are not implemented yet"),
-        (["trainer.data_parallel=hsdp"], "trainer.data_parallel='hsdp': FSDP2 and HSDP are not implemented yet"),
+        (["trainer.data_parallel=zero3"], "trainer.data_parallel='zero3' is not supported; choose one of: ddp, zero2, fsdp2, hsdp"),
+        (["trainer.data_parallel=fsdp2"], "trainer.data_parallel=fsdp2 with checkpoint.enabled=true: MoCCheckpoint supports trainer.data_parallel=ddp and zero2"),
+        (["trainer.data_parallel=hsdp", "checkpoint.enabled=false", "trainer.ep=2", "trainer.hsdp_shard_size=1"], "the EP degree 2 (trainer.ep; null means all 2 ranks) must divide trainer.hsdp_shard_size=1"),
+        (["trainer.data_parallel=hsdp", "checkpoint.enabled=false", "trainer.hsdp_shard_size=3"], "trainer.hsdp_shard_size=3 must be >= 1 and divide the number of processes 2"),
+        (["trainer.hsdp_shard_size=1"], "trainer.hsdp_shard_size=1 is for trainer.data_parallel=hsdp, not 'ddp'"),
+        (["trainer.data_parallel=fsdp2", "trainer.precision=bf16-true"], "trainer.precision='bf16-true' is not supported with trainer.data_parallel=fsdp2|hsdp"),
         (["model.n_head=3"], "model.n_embd=64 must be divisible by model.n_head=3"),
         (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
     ],
@@ -132,14 +136,20 @@ def test_bad_values_name_the_option(overrides: list[str], message: str) -> None:
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "fsdp2", "hsdp"])
 def test_the_recipe_trains_its_module_with_the_configured_data_parallel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_parallel: str
 ) -> None:
     fitted: list[L.LightningModule] = []
     monkeypatch.setattr(training, "fit", lambda cfg, module, data, output_dir: fitted.append(module))
-    training.run(to_train_config(_compose([f"trainer.data_parallel={data_parallel}"])), tmp_path)
+    overrides = [f"trainer.data_parallel={data_parallel}"]
+    if data_parallel in ("fsdp2", "hsdp"):
+        overrides.append("checkpoint.enabled=false")
+    cfg = to_train_config(_compose(overrides))
+    training.run(cfg, tmp_path)
     assert [module.data_parallel for module in fitted] == [data_parallel]
+    strategy = training.build_trainer(cfg, tmp_path).strategy
+    assert isinstance(strategy, ModelParallelStrategy) == (data_parallel in ("fsdp2", "hsdp"))
 
 
 def test_checkpoint_config_validates_without_hydra() -> None:
