@@ -109,10 +109,10 @@ def _moc_refusal(world_size: int, root: str) -> str:
     return "no refusal"
 
 
-def _fits(rank: int, world_size: int, root: str, runs: list[tuple]) -> dict:
+def _fits(rank: int, world_size: int, root: str, runs: list[tuple], moc: bool = True) -> dict:
     """Every run in one launch of the ranks (a launch costs seconds of imports), then MoCCheckpoint's refusal."""
     fits = [_fit(rank, world_size, f"{root}/{i}", *run) for i, run in enumerate(runs)]
-    return {"fits": fits, "moc": _moc_refusal(world_size, f"{root}/moc")}
+    return {"fits": fits, "moc": _moc_refusal(world_size, f"{root}/moc") if moc else None}
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -206,3 +206,24 @@ def test_the_sharded_modes_refuse_what_they_cannot_train() -> None:
         check_shard_size(4, 2, 4)
     with pytest.raises(ValueError, match="trainer.data_parallel='fsdp2' is not supported with HFCausalLMModule; "):
         HFCausalLMModule(torch.nn.Linear(1, 1), data_parallel="fsdp2")
+
+
+RUNS_4 = [("hsdp", 2, 2, "32-true"), ("hsdp", 1, 2, "32-true"), ("fsdp2", 2, None, "32-true")]
+
+
+@pytest.mark.slow
+def test_four_ranks_hsdp_and_fsdp2_train_as_one_process(tmp_path: Path) -> None:
+    """HSDP over 4 ranks in 2 shard groups of 2: dense weights on a (2, 2) mesh; experts with ep=2 whole in each shard
+    group and replicated across (a (2, 1) mesh), with ep=1 sharded within a group and replicated across (2, 2). FSDP2
+    with ep=2: dense weights over 4 ranks, each expert over its 2 replicas. Loss and every weight after 3 clipped
+    steps equal one process's. Failed before the experts' gradient divide factor was the world size: their gradients
+    were 1/4 of one process's under hsdp ep=2 (torch divided twice), and gloo refused fsdp2 ep=2's PREMUL_SUM."""
+    ranks = run_ranks(_fits, 4, tmp_path, str(tmp_path), RUNS_4, False, init_process_group=False)
+    reference = _reference()
+    expected_meshes = [((2, 2), (2, 1)), ((2, 2), (2, 2)), ((4,), (2,))]  # (dense, experts) per run
+    for run, (dense, experts) in enumerate(expected_meshes):
+        fits = [r["fits"][run] for r in ranks]
+        _check_against_reference(fits, reference)
+        meshes = {n: s for n, s in fits[0]["mesh_sizes"].items() if n.endswith("weight")}
+        assert {s for n, s in meshes.items() if ".experts." not in n} == {dense}
+        assert {s for n, s in meshes.items() if ".experts." in n} == {experts}
