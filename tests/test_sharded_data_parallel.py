@@ -144,6 +144,7 @@ def _check_against_reference(ranks: list[dict], reference: tuple[list[float], di
 
 
 RUNS_2 = [("fsdp2", 1, None, "32-true"), ("fsdp2", 2, None, "32-true"), ("hsdp", 1, 1, "32-true")]
+"""(data_parallel, ep, hsdp_shard_size, precision) of each 2-rank fit."""
 
 
 @pytest.fixture(scope="module")
@@ -208,19 +209,19 @@ def test_the_sharded_modes_refuse_what_they_cannot_train() -> None:
         HFCausalLMModule(torch.nn.Linear(1, 1), data_parallel="fsdp2")
 
 
-RUNS_4 = [("hsdp", 2, 2, "32-true"), ("hsdp", 1, 2, "32-true"), ("fsdp2", 2, None, "32-true")]
+RUNS_4 = [("hsdp", 2, 2, "32-true"), ("hsdp", 1, 2, "32-true")]  # two fits keep 4 processes on 2 cores near 20 s
 
 
 @pytest.mark.slow
-def test_four_ranks_hsdp_and_fsdp2_train_as_one_process(tmp_path: Path) -> None:
+def test_four_ranks_hsdp_trains_as_one_process(tmp_path: Path) -> None:
     """HSDP over 4 ranks in 2 shard groups of 2: dense weights on a (2, 2) mesh; experts with ep=2 whole in each shard
-    group and replicated across (a (2, 1) mesh), with ep=1 sharded within a group and replicated across (2, 2). FSDP2
-    with ep=2: dense weights over 4 ranks, each expert over its 2 replicas. Loss and every weight after 3 clipped
-    steps equal one process's. Failed before the experts' gradient divide factor was the world size: their gradients
-    were 1/4 of one process's under hsdp ep=2 (torch divided twice), and gloo refused fsdp2 ep=2's PREMUL_SUM."""
+    group and replicated across (a (2, 1) mesh), with ep=1 sharded within a group and replicated across (2, 2). Loss
+    and every weight after 3 clipped steps equal one process's. Failed on 75e0194: gloo has no PREMUL_SUM (the
+    experts' divide factor 4 is not their shard group's size), and with sums forced on the one-rank shard dimension
+    of ep=2 the experts' gradients were 1/4 of one process's (torch divided twice)."""
     ranks = run_ranks(_fits, 4, tmp_path, str(tmp_path), RUNS_4, False, init_process_group=False)
     reference = _reference()
-    expected_meshes = [((2, 2), (2, 1)), ((2, 2), (2, 2)), ((4,), (2,))]  # (dense, experts) per run
+    expected_meshes = [((2, 2), (2, 1)), ((2, 2), (2, 2))]  # (dense, experts) per run
     for run, (dense, experts) in enumerate(expected_meshes):
         fits = [r["fits"][run] for r in ranks]
         _check_against_reference(fits, reference)
