@@ -21,7 +21,8 @@ expert mesh is the first of those dimensions (with the replicate dimension under
 
 Mixed precision is FSDP2's :class:`MixedPrecisionPolicy`: with ``trainer.precision=bf16-mixed`` the sharded fp32
 parameters are the master weights (the optimizer state is fp32 beside them), all-gathered in bf16 for compute, and
-gradients reduced in fp32.
+gradients reduced in fp32. Lightning's ``bf16-mixed`` autocast stays on around the step, as under DDP: the matmuls
+already meet bf16 weights, and the ops autocast keeps in fp32 (layer norm, softmax, the loss) stay there.
 """
 
 from __future__ import annotations
