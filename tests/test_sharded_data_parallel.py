@@ -216,7 +216,7 @@ RUNS_4 = [("hsdp", 2, 2, "32-true"), ("hsdp", 1, 2, "32-true")]  # two fits keep
 def test_four_ranks_hsdp_trains_as_one_process(tmp_path: Path) -> None:
     """HSDP over 4 ranks in 2 shard groups of 2: dense weights on a (2, 2) mesh; experts with ep=2 whole in each shard
     group and replicated across (a (2, 1) mesh), with ep=1 sharded within a group and replicated across (2, 2). Loss
-    and every weight after 3 clipped steps equal one process's. Failed on 75e0194: gloo has no PREMUL_SUM (the
+    and every weight after 3 clipped steps equal one process's. Failed on b13f259: gloo has no PREMUL_SUM (the
     experts' divide factor 4 is not their shard group's size), and with sums forced on the one-rank shard dimension
     of ep=2 the experts' gradients were 1/4 of one process's (torch divided twice)."""
     ranks = run_ranks(_fits, 4, tmp_path, str(tmp_path), RUNS_4, False, init_process_group=False)
