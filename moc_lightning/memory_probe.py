@@ -12,13 +12,18 @@ measures that claim, per rank, from ``/proc/self/status``:
 
 A thread samples both every ``interval`` seconds, and once more on entering and leaving each phase, and keeps
 the peak of each *phase*: ``train`` (training before the first save: the baseline), ``snapshot_copy`` (the copy
-into the slot, on the training thread), ``snapshot`` (from taking the snapshot to its commit), ``persist`` (a
-DCP write, periodic from a slot or the final one from the live tensors; it overlaps training, so its peak
-includes the training's own) and ``between`` (training after the first save with none in flight: memory a save
-kept would show here). A phase's *growth* is its peak ``RssAnon`` minus the ``train`` peak, the issue's
-criterion. Its *rise* is the most ``RssAnon`` went above its value on entering the phase: a save that allocates
-while training's activations are freed (a snapshot at the batch end) shows there even when its peak stays below
-training's; a persist's rise also holds what training allocated meanwhile, so it is an upper bound.
+into the slot, on the training thread at a batch end), ``snapshot`` (from taking a snapshot to the wait for its
+commit before the next optimizer step, so the next forward and backward with it), ``persist`` (a periodic DCP
+write from a slot, on its own thread while training goes on), ``final_persist`` (every unit from the live
+tensors once training is over) and ``between`` (training after the first save with none in flight: memory a
+save kept would show here).
+
+A phase's *growth* is its peak ``RssAnon`` minus the baseline's, the issue's criterion; the baseline is this
+run's ``train`` peak or, better, a control run's (the same steps with no save while training: training's own
+``RssAnon`` moves from step to step with the routing and the allocator, which the few steps before the first
+save do not cover). Phases with nothing else running, ``snapshot_copy`` and ``final_persist``, also get a
+*rise*: the most ``RssAnon`` went above its value on entering the phase, i.e. what the save itself allocated,
+which a peak comparison hides when the save runs while training's activations are freed.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +52,14 @@ from moc_lightning.training import TrainConfig, build_trainer
 STATUS_FIELDS = ("RssAnon", "RssShmem", "RssFile", "VmRSS")
 """The fields of ``/proc/self/status`` sampled, in kB there, in bytes here."""
 
-PHASES = ("train", "snapshot_copy", "snapshot", "persist", "between")
+PHASES = ("train", "snapshot_copy", "snapshot", "persist", "final_persist", "between")
 """Phases whose peaks are kept; ``train`` and ``between`` are samples with no save in flight, before and after the
 first save."""
-SAVES = ("snapshot_copy", "snapshot", "persist")
-"""The phases of a save."""
+STACK_STEP = 8 * 2**20
+"""A phase's rise growing by more than this many bytes records the threads' stacks (:class:`PhasePeak`)."""
+
+ALONE = ("snapshot_copy", "final_persist")
+"""The save phases with nothing else running in the process, whose rise is the save's own allocation."""
 
 
 def read_status(path: str = "/proc/self/status") -> dict[str, int]:
@@ -66,6 +76,17 @@ def read_status(path: str = "/proc/self/status") -> dict[str, int]:
     return values
 
 
+def thread_stacks(depth: int = 8) -> dict[str, list[str]]:
+    """The innermost ``depth`` frames of every other thread, by thread name, as ``file:line function``."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    return {
+        names.get(ident, str(ident)): [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-depth:]]
+        for ident, frame in sys._current_frames().items()
+        if ident != me
+    }
+
+
 @dataclass
 class PhasePeak:
     """The highest sample of each field seen during one phase, how many samples it took, and the most ``RssAnon``
@@ -74,13 +95,17 @@ class PhasePeak:
     samples: int = 0
     peak: dict[str, int] = field(default_factory=dict)
     rise: int = 0
+    rise_stacks: dict[str, list[str]] = field(default_factory=dict)
+    """What every thread was running when the rise last grew by more than :data:`STACK_STEP`: where it went."""
 
     def add(self, sample: dict[str, int], entry_anon: int | None) -> None:
         self.samples += 1
         for name, value in sample.items():
             self.peak[name] = max(self.peak.get(name, 0), value)
-        if entry_anon is not None:
-            self.rise = max(self.rise, sample["RssAnon"] - entry_anon)
+        if entry_anon is not None and sample["RssAnon"] - entry_anon > self.rise:
+            if sample["RssAnon"] - entry_anon > self.rise + STACK_STEP:
+                self.rise_stacks = thread_stacks()
+            self.rise = sample["RssAnon"] - entry_anon
 
 
 class RssSampler:
@@ -159,6 +184,15 @@ def wrap(obj: Any, method: str, around: Callable[[], contextlib.AbstractContextM
     setattr(obj, method, wrapped)
 
 
+@contextlib.contextmanager
+def _flagged(flag: threading.Event) -> Iterator[None]:
+    flag.set()
+    try:
+        yield
+    finally:
+        flag.clear()
+
+
 class MemoryProbe(L.Callback):
     """Samples this rank's memory through ``fit`` and marks the save phases of ``moc``'s engine.
 
@@ -178,7 +212,9 @@ class MemoryProbe(L.Callback):
         engine = self.moc.engine
         sampler = self.sampler
         wrap(engine.store, "fill", lambda: sampler.phase("snapshot_copy"))
-        wrap(engine.pec, "persist", lambda: sampler.phase("persist"))
+        final = threading.Event()
+        wrap(engine, "persist_final", lambda: _flagged(final))
+        wrap(engine.pec, "persist", lambda: sampler.phase("final_persist" if final.is_set() else "persist"))
         snapshot, wait = engine.snapshot, engine.wait_snapshot
 
         def take(*args: Any, **kwargs: Any) -> None:
@@ -231,7 +267,7 @@ class MemoryProbe(L.Callback):
             "persist_bytes": [r.bytes_written for r in stats.persist_reports]
             + ([stats.final_persist.bytes_written] if stats.final_persist is not None else []),
             "step_peaks": dict(sorted(self.sampler.step_peaks.items())),
-            "phases": {p: {"samples": v.samples, "rise": v.rise, **v.peak} for p, v in self.sampler.peaks.items()},
+            "phases": {p: {"samples": v.samples, "rise": v.rise, "rise_stacks": v.rise_stacks, **v.peak} for p, v in self.sampler.peaks.items()},
         }
 
 
@@ -254,8 +290,8 @@ def growth_rows(report: dict[str, Any], control: dict[str, Any] | None = None) -
             "anon_growth": anon,
             "anon_growth_pct": 100 * anon / state,
             "shmem_growth": peak["RssShmem"] - base["RssShmem"],
-            "anon_rise": peak["rise"] if phase in SAVES else None,
-            "anon_rise_pct": 100 * peak["rise"] / state if phase in SAVES else None,
+            "anon_rise": peak["rise"] if phase in ALONE else None,
+            "anon_rise_pct": 100 * peak["rise"] / state if phase in ALONE else None,
         }
     return rows
 
@@ -282,6 +318,10 @@ def format_report(reports: list[dict[str, Any]], controls: list[dict[str, Any]] 
             f"RssShmem {base['RssShmem'] / mb:.1f} MB ({base['samples']} samples)"
         )
         if control is not None:
+            own = {int(k): v for k, v in r["step_peaks"].items()}
+            theirs = {int(k): v for k, v in control["step_peaks"].items()}
+            deltas = ", ".join(f"{k}: {(own[k] - theirs[k]) / mb:+.1f}" for k in sorted(own) if k in theirs)
+            lines.append(f"[memory] rank {rank}: peak RssAnon by step minus the control run's (MB): {deltas}")
             c = control["phases"]["train"]
             lines.append(
                 f"[memory] rank {rank}: baseline: control run's train peak RssAnon {c['RssAnon'] / mb:.1f} MB, "

@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from moc_lightning.memory_probe import RssSampler, growth_rows
 from moc_lightning.models.gpt_moe import GPTMoE, GPTMoEConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH = re.compile(
-    r"\[memory\] rank (\d): (snapshot_copy|snapshot|persist) peak RssAnon [\d.]+ MB, RssShmem [\d.]+ MB "
+    r"\[memory\] rank (\d): (snapshot_copy|snapshot|persist|final_persist) peak RssAnon [\d.]+ MB, RssShmem [\d.]+ MB "
     r"\((\d+) samples\); anon_growth=([+-][\d.]+) MB anon_growth_pct=([+-][\d.]+)% "
-    r"shmem_growth=([+-][\d.]+) MB anon_rise=([+-][\d.]+) MB anon_rise_pct=([+-][\d.]+)%"
+    r"shmem_growth=([+-][\d.]+) MB(?: anon_rise=([+-][\d.]+) MB anon_rise_pct=([+-][\d.]+)%)?$",
+    re.MULTILINE,
 )
+SAVES = ("snapshot_copy", "snapshot", "persist", "final_persist")
+ALONE = ("snapshot_copy", "final_persist")  # nothing else running: the rise is printed too
 
 
 def _expected_state_bytes() -> int:
@@ -53,10 +57,12 @@ def test_memory_report_prints_every_rank_s_state_and_growth(tmp_path: Path) -> N
 
     # every save phase of every rank is printed with its growth and rise, from real samples
     found = {(int(m[1]), m[2]): m.groups()[2:] for m in GROWTH.finditer(proc.stdout)}
-    assert set(found) == {(r, p) for r in (0, 1) for p in ("snapshot_copy", "snapshot", "persist")}, proc.stdout
-    for samples, *figures in found.values():
+    assert set(found) == {(r, p) for r in (0, 1) for p in SAVES}, proc.stdout
+    for (_, phase), (samples, *figures) in found.items():
         assert int(samples) >= 2  # at least the samples on entering and leaving the phase
-        assert all(math.isfinite(float(f)) for f in figures)
+        rise = figures[-2:]
+        assert (None not in rise) == (phase in ALONE), f"{phase}: rise {rise}"
+        assert all(math.isfinite(float(f)) for f in figures if f is not None)
 
     report = json.loads((run_dir / "memory_report.json").read_text())
     ranks = report["reports"]
@@ -72,3 +78,43 @@ def test_memory_report_prints_every_rank_s_state_and_growth(tmp_path: Path) -> N
         assert r["phases"]["train"]["samples"] > 0
         assert r["slot_bytes"] > 0, "the snapshot slots are counted (shared memory, apart from RssAnon)"
     assert sum(r["state_bytes"] for r in ranks) == _expected_state_bytes()
+
+
+def test_sampler_puts_an_allocation_inside_a_phase_in_its_rise_not_in_training() -> None:
+    sampler = RssSampler(interval=0.001)
+    sampler.start()
+    try:
+        sampler.sample()  # training, before any save
+        with sampler.phase("snapshot_copy"):
+            block = bytearray(64 * 2**20)  # zero-filled: every page touched, anonymous memory
+            sampler.sample()
+            del block
+        sampler.sample()
+    finally:
+        sampler.stop()
+    peaks = sampler.peaks
+    assert peaks["snapshot_copy"].rise >= 60 * 2**20
+    assert peaks["snapshot_copy"].peak["RssAnon"] - peaks["train"].peak["RssAnon"] >= 60 * 2**20
+    assert peaks["between"].samples > 0, "samples after the first save no longer count as the baseline"
+    assert peaks["persist"].samples == 0
+
+
+def test_growth_is_over_the_control_run_s_training_peak_when_given() -> None:
+    def report(train: int, persist: int, final: int, final_rise: int) -> dict:
+        phase = {"samples": 3, "rise": 0, "RssShmem": 0}
+        phases = {p: {**phase, "RssAnon": 0, "samples": 0} for p in ("snapshot_copy", "snapshot", "between")}
+        phases.update(
+            train={**phase, "RssAnon": train},
+            persist={**phase, "RssAnon": persist},
+            final_persist={**phase, "RssAnon": final, "rise": final_rise},
+        )
+        return {"state_bytes": 1000, "phases": phases}
+
+    run = report(train=10_000, persist=10_050, final=9_000, final_rise=30)
+    own = growth_rows(run)
+    assert own["persist"]["anon_growth"] == 50 and own["persist"]["anon_growth_pct"] == 5.0
+    assert own["persist"]["anon_rise"] is None, "a persist overlaps training: no rise of its own"
+    assert own["final_persist"]["anon_growth"] == -1000 and own["final_persist"]["anon_rise_pct"] == 3.0
+    assert own["snapshot_copy"]["anon_growth"] is None, "a phase without samples is not measured, never 0"
+    over_control = growth_rows(run, report(train=10_040, persist=0, final=0, final_rise=0))
+    assert over_control["persist"]["anon_growth"] == 10 and over_control["persist"]["anon_growth_pct"] == 1.0
