@@ -186,6 +186,7 @@ def wrap(obj: Any, method: str, around: Callable[[], contextlib.AbstractContextM
 
 @contextlib.contextmanager
 def _flagged(flag: threading.Event) -> Iterator[None]:
+    """``flag`` set while the body runs: the persist inside ``persist_final`` is then the final one."""
     flag.set()
     try:
         yield
