@@ -1,0 +1,30 @@
+"""Host memory of MoC's saves, per rank: does a snapshot or a persist grow RSS beyond the shared-memory slots?
+
+    python recipes/memory_report.py model=small_16e hydra.run.dir=DIR
+
+Trains the reference GPT-MoE on 2 CPU processes under ``trainer.data_parallel=zero2`` for a few steps with
+snapshots and persists, samples ``/proc/self/status`` from a background thread, and prints per rank: the state
+it holds (weights + kept optimizer state), the peak ``RssAnon``/``RssShmem`` of training with no save in flight,
+the peaks during the snapshot copy, the snapshot and the persist, and each one's ``RssAnon`` growth as a % of
+the state (:mod:`moc_lightning.memory_probe`). The JSON goes to ``DIR/memory_report.json``.
+"""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from moc_lightning.memory_probe import MemoryReportConfig, register_configs, run_report
+from moc_lightning.training import to_train_config
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="memory_report")
+def main(cfg: DictConfig) -> None:
+    run_report(to_train_config(cfg, MemoryReportConfig), Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    main()
