@@ -78,6 +78,12 @@ class TrainerConfig:
         check_data_parallel(self.data_parallel)
         if self.data_parallel in SHARDED_DATA_PARALLEL:
             check_precision(self.precision)
+        if self.data_parallel == "ddp" and self.precision.startswith(LOW_PRECISION_WEIGHTS):
+            raise ValueError(
+                f"trainer.precision={self.precision!r} with trainer.data_parallel=ddp would keep bf16/fp16 weights and "
+                "optimizer state with no fp32 master copy; use bf16-mixed (fp32 weights, bf16 compute) with ddp, or "
+                "trainer.data_parallel=zero2 for bf16 weights with fp32 master weights and moments"
+            )
         if self.hsdp_shard_size is not None and self.data_parallel != "hsdp":
             raise ValueError(
                 f"trainer.hsdp_shard_size={self.hsdp_shard_size} is for trainer.data_parallel=hsdp, "
@@ -94,6 +100,10 @@ class TrainerConfig:
         if self.data_parallel == "hsdp":
             return self.hsdp_shard_size or self.devices
         return self.world_size
+
+
+LOW_PRECISION_WEIGHTS = ("bf16-true", "16-true")
+"""Lightning precisions that store the weights in 16 bits (``zero2`` then keeps fp32 masters in the optimizer)."""
 
 
 @dataclass

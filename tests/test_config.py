@@ -47,7 +47,7 @@ def test_every_config_file_is_composed_by_some_test() -> None:
     """A new config group must be added to TRAIN_GROUPS or BENCH_GROUPS, or it would never be checked."""
     roots = {path.stem for path in CONF.glob("*.yaml")}
     groups = {str(path.parent.relative_to(CONF)) for path in CONF.rglob("*.yaml") if path.parent != CONF}
-    assert roots == {"train", "train_hf", "bench"}
+    assert roots == {"train", "train_hf", "bench", "memory_report"}  # memory_report: test_memory_report runs it
     assert groups == set(TRAIN_GROUPS) | set(BENCH_GROUPS)
 
 
@@ -125,6 +125,7 @@ def test_wrong_type_is_rejected() -> None:
         (["trainer.data_parallel=hsdp", "checkpoint.enabled=false", "trainer.hsdp_shard_size=3"], "trainer.hsdp_shard_size=3 must be >= 1 and divide the number of processes 2"),
         (["trainer.hsdp_shard_size=1"], "trainer.hsdp_shard_size=1 is for trainer.data_parallel=hsdp, not 'ddp'"),
         (["trainer.data_parallel=fsdp2", "trainer.precision=bf16-true"], "trainer.precision='bf16-true' is not supported with trainer.data_parallel=fsdp2|hsdp"),
+        (["trainer.precision=bf16-true"], "trainer.precision='bf16-true' with trainer.data_parallel=ddp would keep bf16/fp16 weights"),
         (["model.n_head=3"], "model.n_embd=64 must be divisible by model.n_head=3"),
         (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
     ],
