@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from dist_utils import run_ranks
-from lightning.pytorch.strategies import DDPStrategy
+from lightning_run import cpu_trainer
 
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.models import GPTMoE, GPTMoEConfig
@@ -24,19 +24,7 @@ STEPS = 4
 
 def _fit(rank: int, world_size: int, root: str, data_parallel: str) -> dict:
     module = GPTMoEModule(CFG, ep=1, seed=0, data_parallel=data_parallel)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=DDPStrategy(process_group_backend="gloo"),
-        max_steps=STEPS,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
+    trainer = cpu_trainer(Path(root), STEPS, [], devices=world_size, gradient_clip_val=0.5, enable_checkpointing=False)
     trainer.fit(module, datamodule=LMDataModule(DataConfig(batch_size=4), CFG.block_size, CFG.vocab_size))
     optimizer = trainer.optimizers[0]
     names = {p: n for n, p in module.model.named_parameters()}

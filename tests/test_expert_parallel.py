@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from lightning.pytorch.strategies import DDPStrategy
+from lightning_run import cpu_trainer
 
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
@@ -76,19 +75,7 @@ def test_ep_loss_and_gradients_match_single_process(tmp_path: Path, world_size: 
 def _lightning_fit(rank: int, world_size: int, root: str) -> dict:
     module = GPTMoEModule(replace(CFG, capacity_factor=1.0), ep=world_size, seed=0)
     data = LMDataModule(DataConfig(batch_size=4), block_size=CFG.block_size, vocab_size=CFG.vocab_size)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=DDPStrategy(process_group_backend="gloo"),
-        max_steps=5,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
+    trainer = cpu_trainer(Path(root), 5, [], devices=world_size, gradient_clip_val=0.5, enable_checkpointing=False)
     trainer.fit(module, datamodule=data)
     model = module.model
     return {
