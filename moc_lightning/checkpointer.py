@@ -42,7 +42,7 @@ from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_
 from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
-from moc_lightning.size_model import SizeModel, size_model
+from moc_lightning.size_model import SizeModel, model_unit_bytes, size_model, stated_state_bytes
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, find_cause
 from moc_lightning.storage.integrity import ListedKeysPlanner
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
@@ -372,7 +372,7 @@ class PECCheckpointer:
             name=name,
             units=record.units,
             bytes_written=written,
-            expected_bytes=self._expected_bytes(units),
+            expected_bytes=sum(self.unit_nbytes(u) for u in units),
             seconds=time.perf_counter() - start,
         )
         if self._is_coordinator:  # after the commit, and after the persist's clock
@@ -586,19 +586,9 @@ class PECCheckpointer:
         return next(u for u in self.layout.expert_units if u.layer == unit.layer)
 
     def unit_nbytes(self, unit: Unit) -> int:
-        """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it."""
-        return self.layout.unit_bytes(self.local_twin(unit)).total
-
-    def _expected_bytes(self, units: Sequence[Unit]) -> int:
-        """Bytes of ``units`` in all (eq. 6's count); under ZeRO each unit as its state owner holds it, summed
-        over the persist group (collective then), since only the owner holds the unit's optimizer state."""
-        if self.state_owners is None:
-            return sum(self.unit_nbytes(u) for u in units)
-        rank = self.topology.rank
-        total = torch.tensor([sum(self.layout.unit_bytes(u).total for u in units if self.state_owners[u.key] == rank)])
-        if dist.is_initialized():
-            dist.all_reduce(total, group=self.process_group)
-        return int(total.item())
+        """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it (or, under ZeRO,
+        keeps its optimizer state: :func:`model_unit_bytes`)."""
+        return model_unit_bytes(self.layout, self.local_twin(unit)).total
 
     def snapshot_share_bytes(self, with_optimizer_state: bool = False, complete: bool = False) -> int:
         """What one rank's snapshot slot should hold at the current ``k_snapshot`` (``complete``: with every
@@ -620,7 +610,8 @@ class PECCheckpointer:
             mine = [u for u in self.layout.units if self.state_owners[u.key] == self.topology.rank]
             total = sum(nbytes(u) for u in mine if not isinstance(u, ExpertUnit))
             for layer, n in enumerate(self.layout.num_experts):
-                sizes = sorted((nbytes(u) for u in mine if isinstance(u, ExpertUnit) and u.layer == layer), reverse=True)
+                layer_units = [u for u in mine if isinstance(u, ExpertUnit) and u.layer == layer]
+                sizes = sorted((nbytes(u) for u in layer_units), reverse=True)
                 total += sum(sizes[: n if complete else self.dynamic_k.k_snapshot])
             return total
 
@@ -823,13 +814,11 @@ class PECCheckpointer:
 
 def expected_state_bytes(layout: Layout, unit: Unit) -> int:
     """Optimizer state ``unit`` will have once stepped, for sizing before the optimizer has created any: what the
-    optimizer says (``state_nbytes``, :class:`moc_lightning.zero.ZeroAdamW`), else :func:`expected_state_ratio`
-    of its weights."""
-    optimizer = layout.optimizer
-    state_nbytes = getattr(optimizer, "state_nbytes", None)
-    if state_nbytes is not None:
-        return sum(state_nbytes(layout.params[name]) for name in layout.param_names(unit))
-    return int(layout.unit_bytes(unit).weights * expected_state_ratio(optimizer))
+    optimizer states (:func:`stated_state_bytes`), else :func:`expected_state_ratio` of its weights."""
+    stated = stated_state_bytes(layout, unit)
+    if stated is not None:
+        return stated
+    return int(layout.unit_bytes(unit).weights * expected_state_ratio(layout.optimizer))
 
 
 def gather_state_owners(layout: Layout) -> dict[str, int] | None:

@@ -84,17 +84,24 @@ def size_model(layout: Layout) -> SizeModel:
 def model_unit_bytes(layout: Layout, unit: Unit) -> UnitBytes:
     """Bytes of ``unit`` in the model, wherever its optimizer state is kept (see the module docstring)."""
     local = layout.unit_bytes(unit)
+    elsewhere = stated_state_bytes(layout, unit, elsewhere_only=True)
+    return local if elsewhere is None else dataclasses.replace(local, optimizer=local.optimizer + elsewhere)
+
+
+def stated_state_bytes(layout: Layout, unit: Unit, elsewhere_only: bool = False) -> int | None:
+    """The optimizer state of ``unit``'s parameters as its optimizer states it (``state_nbytes``, as
+    :class:`moc_lightning.zero.ZeroAdamW` does), an expert's slice of a stacked parameter as its share; ``None``
+    when the optimizer states nothing. ``elsewhere_only``: only the parameters whose state another rank keeps."""
     state_nbytes = getattr(layout.optimizer, "state_nbytes", None)
     if state_nbytes is None:
-        return local
-    elsewhere = 0
+        return None
+    total = 0
     for slot in layout.slots[unit]:
-        if slot.buffer or layout.keeps_state(slot.param):
+        if slot.buffer or (elsewhere_only and layout.keeps_state(slot.param)):
             continue
         param = layout.params[slot.param]
-        share = 1 if slot.index is None else (slot.view or param.shape)[0]  # an expert's slice of a stacked one
-        elsewhere += state_nbytes(param) // share
-    return dataclasses.replace(local, optimizer=local.optimizer + elsewhere)
+        total += state_nbytes(param, 1 if slot.index is None else (slot.view or param.shape)[0])
+    return total
 
 
 def _per_expert(local: list[UnitBytes], prefix: str) -> int:

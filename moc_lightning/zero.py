@@ -150,11 +150,12 @@ class ZeroAdamW(torch.optim.AdamW):
         and writes each unit whole there."""
         return self.partition.unit_owners(layout)
 
-    def state_nbytes(self, param: nn.Parameter) -> int:
-        """Bytes of optimizer state ``param`` has on its owner once stepped: moments (and master) in fp32, and
-        the step; what a snapshot slot is sized for before the first step."""
+    def state_nbytes(self, param: nn.Parameter, share: int = 1) -> int:
+        """Bytes of optimizer state ``param`` has on its owner once stepped: moments (and master) in fp32, and the
+        step; of one of ``share`` equal slices along dim 0 (an expert's slice of a stacked parameter), the slice
+        of each tensor and the whole step, as a slice's state reads. What sizing uses before the first step."""
         tensors = 2 if param.dtype == MASTER_DTYPE else 3
-        return param.numel() * MASTER_DTYPE.itemsize * tensors + MASTER_DTYPE.itemsize
+        return param.numel() // share * MASTER_DTYPE.itemsize * tensors + MASTER_DTYPE.itemsize
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Torch's load, but the moments and master stay fp32 (torch casts floating state to the parameter's
