@@ -303,6 +303,7 @@ class MoCCheckpoint(Checkpoint):
             self.engine.store.clear()
         self._last_step = trainer.global_step
         self._slots_sized = False
+        self._persists_logged = 0
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -323,6 +324,8 @@ class MoCCheckpoint(Checkpoint):
         if snapshot_due:
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
+        engine.poll_persist()
+        self._log_persists(trainer)
         engine.faults.at("train", step)
 
     def on_before_optimizer_step(
@@ -345,10 +348,23 @@ class MoCCheckpoint(Checkpoint):
             }
             if self.plt_known:  # an unknown PLT is not logged at all, rather than as 0
                 metrics["moc/plt"] = engine.pec.ledger.accumulated_plt
-            if stats.persist_reports:
-                metrics["moc/persist_ms"] = stats.persist_reports[-1].seconds * 1000
-                metrics["moc/persist_bytes"] = float(stats.persist_reports[-1].bytes_written)
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def _log_persists(self, trainer: L.Trainer) -> None:
+        """Log each persist accounted since the last call, once, straight to the loggers (as Lightning's
+        ``LearningRateMonitor`` does): a persist lands in the background at no step of its own, possibly
+        after the last snapshot or after fit's loop has ended, where ``log_dict`` would drop it."""
+        stats = self.engine.stats
+        landed = [*stats.persist_reports, *([stats.final_persist] if stats.final_persist is not None else [])]
+        for report in landed[self._persists_logged:]:
+            metrics = {
+                "moc/persist_step": float(report.step),
+                "moc/persist_ms": report.seconds * 1000,
+                "moc/persist_bytes": float(report.bytes_written),
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        self._persists_logged = len(landed)
 
     def _final(self, trainer: L.Trainer) -> bool:
         """Whether this is the last step of ``max_steps``, which ``on_fit_end`` persists whole."""
@@ -361,6 +377,9 @@ class MoCCheckpoint(Checkpoint):
             if report is None and trainer.is_global_zero:
                 print(f"[moc_lightning] step {trainer.global_step} was persisted already (with "
                       f"k_persist={self.engine.pec.dynamic_k.k_persist} experts per layer); no final full persist")
+        self._log_persists(trainer)
+        for logger in trainer.loggers:
+            logger.save()  # fit's loop has finalized the loggers already
         if trainer.is_global_zero:
             print(self.summary())
         if self.config.remove_snapshots_on_fit_end:

@@ -327,6 +327,10 @@ class TwoLevelCheckpointer:
             before_commit=lambda: self.faults.at("persist", meta.step),
         )
 
+    def poll_persist(self) -> None:
+        """Account the running persist if it has finished (never blocks); a snapshot does this too."""
+        self._reap_persist()
+
     def _reap_persist(self) -> None:
         """Account a finished persist; a failed one is counted and logged, and training goes on."""
         if self._persist is None or not self._persist.done():

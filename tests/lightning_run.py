@@ -23,14 +23,14 @@ MODEL = GPTMoEConfig(block_size=32)
 
 
 def cpu_trainer(root: Path, max_steps: int, callbacks: list[L.Callback], devices: int = 1, **kw: Any) -> L.Trainer:
-    """A quiet Trainer on CPU (DDP over gloo for more than one device), no validation, no logger."""
+    """A quiet Trainer on CPU (DDP over gloo for more than one device), no validation, no logger unless given."""
+    kw.setdefault("logger", False)
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=DDPStrategy(process_group_backend="gloo") if devices > 1 else "auto",
         max_steps=max_steps,
         limit_val_batches=0,
-        logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(root),

@@ -42,11 +42,13 @@ def test_recipe_trains_a_hugging_face_moe_and_commits_checkpoints_that_record_th
     assert "finished 10 steps" in proc.stdout
     rows = _read_metrics(run_dir)
     assert len(_column(rows, "train_loss")) == 5 and _column(rows, "val_loss")
-    assert _column(rows, "moc/persist_bytes"), "MoC logs what each persist wrote"
-
-    # Snapshots at 4 and 8, each persisted (1 of 8 experts per MoE layer), then step 10 whole at the end.
+    # Snapshots at 4 and 8, each persisted (1 of 8 experts per MoE layer) unless the one before is still in
+    # flight (a loaded machine skips step 8), then step 10 whole at the end; MoC logs each persist that lands.
     manifest = Manifest.from_json((ckpt / "manifest.json").read_bytes())
-    assert [r.step for r in manifest.records] == [4, 8, 10]
+    steps = [r.step for r in manifest.records]
+    assert steps in ([4, 8, 10], [4, 10])
+    assert [int(s) for s in _column(rows, "moc/persist_step")] == steps
+    assert len(_column(rows, "moc/persist_bytes")) == len(steps)
     experts = [sum(u.startswith("expert/") for u in r.units) for r in manifest.records]
     assert experts[-1] == 2 * 8, "the final persist holds every expert of both MoE layers"
     described = unseal((ckpt / manifest.latest.name / "moc.json").read_bytes())["model"]
