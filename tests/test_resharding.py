@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from dist_utils import run_ranks
 from test_checkpointer import check_round_trip
-from trainee import load_fresh, train_and_checkpoint
+from trainee import Trainee, every_step_config, load_fresh, train_and_checkpoint
 
+from moc_lightning.consolidate import OPTIMIZER_KEY, consolidate
+from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.units import parse_unit
 
 pytestmark = pytest.mark.xdist_group("resharding")  # one pytest-xdist worker writes the module's checkpoints once
@@ -88,3 +91,26 @@ def test_a_ddp_checkpoint_loads_under_zero2(tmp_path: Path, written_by_4_ranks_e
     kept = [{k for k in r["loaded"] if "/optim/" in k} for r in loaded]
     assert kept[0] and kept[1] and not kept[0] & kept[1], "each state is kept by exactly one of the two ranks"
     assert kept[0] | kept[1] == {k for k in written["captured"][4] if "/optim/" in k}
+
+
+@pytest.mark.slow
+def test_a_zero2_checkpoint_consolidates_to_what_one_process_restores(
+    tmp_path: Path, written_under_zero2: tuple[str, dict]
+) -> None:
+    """``moc-consolidate`` of a checkpoint whose optimizer state four ranks wrote in parts: the dense file holds
+    every weight and every Adam state bitwise as a 1-process DDP restore of the same checkpoint."""
+    url, _ = written_under_zero2
+    restored = Trainee(ExpertParallelTopology(), seed=1)
+    restored.engine(every_step_config(4, 4), url).load_latest()
+    consolidate(url, tmp_path / "dense.ckpt", progress=False)
+    ckpt = torch.load(tmp_path / "dense.ckpt", weights_only=True)
+    live = dict(restored.model.named_parameters())
+    assert ckpt["state_dict"].keys() == live.keys()
+    for name, tensor in ckpt["state_dict"].items():
+        assert torch.equal(tensor, live[name]), f"{name} differs from the restored model"
+    state = ckpt[OPTIMIZER_KEY]
+    assert state.keys() == live.keys(), "every parameter's optimizer state, whichever rank kept it"
+    for name, states in state.items():
+        kept = restored.optimizer.state[live[name]]
+        assert states.keys() == kept.keys()
+        assert all(torch.equal(t, kept[k]) for k, t in states.items()), f"optimizer state of {name} differs"
