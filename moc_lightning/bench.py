@@ -1,8 +1,10 @@
 """Checkpointing methods side by side on one machine: stall, overhead, bytes, throughput, recovery.
 
 ``recipes/bench.py`` is the Hydra front end; everything here also runs from Python (:func:`run_bench`).
-Every method trains the same GPT-MoE from the same seed on the same batches in this one process (world
-size 1), so the differences between rows are the checkpointing and nothing else. Durations come from
+Every method trains the same GPT-MoE from the same seed on the same batches in the same processes (one, or
+``devices`` under ``torchrun`` in a ``data_parallel`` mode), so the differences between rows are the
+checkpointing and nothing else. With several processes a row's stalls are, checkpoint by checkpoint, the
+slowest rank's (synchronous training waits for it), and its recovery is the slowest rank's. Durations come from
 timers wrapped around the code that does the work (:func:`timed`), not from differences of iteration
 times, because a 2-core machine's iteration times are too noisy to subtract.
 
@@ -40,14 +42,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
-from moc_lightning.models.causal_lm import OptimConfig
+from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.size_model import bytes_written, size_model
@@ -95,7 +99,10 @@ METHODS = ("lightning_sync", "lightning_async", "dcp_async", "nvrx_local", "moc_
 PAPER_K = (4, 1)
 """The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
 GB = 1e9
-SETUP = "one process, world size 1, devices=1; every method trains the same model from one seed on the same batches"
+BENCH_DATA_PARALLEL = ("ddp", "zero2")
+"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (MoC does not yet checkpoint
+``fsdp2``/``hsdp``)."""
+SETUP = "every method trains the same model from one seed on the same batches"
 K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
 RECOVER_MEASURED = (
     "in process: seconds from building a fresh module and Trainer to the start of the first training step "
@@ -124,7 +131,12 @@ class BenchConfig:
     seed: int = 0
     """Seed of initialisation and data order, the same for every run."""
     accelerator: str = "cpu"
-    """Lightning accelerator of the single device."""
+    """Lightning accelerator of each process's device."""
+    devices: int = 1
+    """Processes, one device each; above 1 the benchmark runs under ``torchrun --nproc-per-node=<devices>``."""
+    data_parallel: str = "ddp"
+    """``ddp`` or ``zero2`` (``trainer.data_parallel``): how the processes hold the state. Under ``zero2`` on
+    several processes Lightning's ``ModelCheckpoint`` (rank 0's optimizer state only) is skipped, saying why."""
     out: str = ""
     """JSON result file; empty: ``<run output dir>/bench.json``."""
     work_dir: str = ""
@@ -137,7 +149,8 @@ class BenchConfig:
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ValueError(f"methods {unknown} are unknown; choose among: {', '.join(METHODS)}")
-        for name in ("steps", "every_n_train_steps"):
+        check_data_parallel(self.data_parallel, BENCH_DATA_PARALLEL, by="recipes/bench.py")
+        for name in ("steps", "every_n_train_steps", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < self.every_n_train_steps:
@@ -339,13 +352,22 @@ class LightningMethod(Method):
 
 
 class DCPAsync(L.Callback):
-    """torchtitan's checkpointing: DCP ``async_save`` in thread mode, after waiting for the previous save."""
+    """torchtitan's checkpointing: DCP ``async_save`` in thread mode, after waiting for the previous save.
+
+    As torchtitan does, the save's collectives run on a gloo group of their own: on the training's group they
+    would interleave with the gradient all-reduces of the steps the save overlaps, from another thread.
+    """
 
     def __init__(self, root: Path, every: int, probe: Probe) -> None:
         self.root = root
         self.every = every
         self.probe = probe
         self.future: Any = None
+        self.group: dist.ProcessGroup | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if dist.is_initialized() and self.group is None:
+            self.group = dist.new_group(backend="gloo")
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -361,6 +383,7 @@ class DCPAsync(L.Callback):
             {"model": model, "optim": optim},
             checkpoint_id=self.root / f"step_{step:09d}",
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            process_group=self.group,
         )
         returned = time.perf_counter()
         self.future.add_done_callback(lambda _: self.probe.persist.append((step, time.perf_counter() - returned)))
@@ -377,23 +400,31 @@ class DCPAsync(L.Callback):
 
 
 class DCPRestore(L.Callback):
-    """Loads a DCP checkpoint into the model and the optimizer before the first step."""
+    """Loads a DCP checkpoint into the model and the optimizer before the first step.
 
-    def __init__(self, checkpoint: Path) -> None:
+    ``partitioned``: each rank keeps the optimizer state of its own parameters only (ZeRO), so its optimizer
+    template, and what it loads, lacks the others'; the model is still loaded strictly.
+    """
+
+    def __init__(self, checkpoint: Path, partitioned: bool) -> None:
         self.checkpoint = checkpoint
+        self.partitioned = partitioned
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model, optim = get_state_dict(pl_module, trainer.optimizers)  # templates, optimizer state initialised
         state = {"model": model, "optim": optim}
         dcp.load(state, checkpoint_id=self.checkpoint)
-        set_state_dict(pl_module, trainer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_model_state_dict(pl_module, state["model"])
+        options = StateDictOptions(strict=not self.partitioned)
+        set_optimizer_state_dict(pl_module, trainer.optimizers, state["optim"], options=options)
 
 
 class DCPMethod(Method):
     """Full model + optimizer state through ``torch.distributed.checkpoint.async_save``."""
 
-    def __init__(self, name: str, root: Path, every: int) -> None:
+    def __init__(self, name: str, root: Path, every: int, partitioned: bool) -> None:
         super().__init__(name, root, every)
+        self.partitioned = partitioned
         self.callback = DCPAsync(root / "ckpt", every, self.probe)
         self.notes = "snapshot: async_save's blocking staging copy; recovery restores model+optimizer, not loops"
 
@@ -401,7 +432,7 @@ class DCPMethod(Method):
         return [self.callback]
 
     def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
-        return [DCPRestore(max((self.root / "ckpt").glob("step_*")))], _nothing, None
+        return [DCPRestore(max((self.root / "ckpt").glob("step_*")), self.partitioned)], _nothing, None
 
     def checkpoints(self) -> list[Path]:
         return sorted((self.root / "ckpt").glob("step_*"))
@@ -520,10 +551,16 @@ def _no_global_checkpoint(path: Any) -> int:
 def make_method(name: str, root: Path, cfg: BenchConfig, shm_root: Path) -> Method:
     """The method called ``name``, writing under ``root``."""
     every, n = cfg.every_n_train_steps, cfg.model.num_experts
+    if name in ("lightning_sync", "lightning_async") and cfg.data_parallel == "zero2" and cfg.devices > 1:
+        raise MethodUnavailable(
+            "ModelCheckpoint saves rank 0's optimizer state only, and under zero2 the other ranks keep the rest"
+        )
+    if name == "nvrx_local" and cfg.devices > 1:
+        raise MethodUnavailable("the nvrx row runs in one process (it makes its own one-rank process group)")
     if name in ("lightning_sync", "lightning_async"):
         return LightningMethod(name, root, every, asynchronous=name == "lightning_async")
     if name == "dcp_async":
-        return DCPMethod(name, root, every)
+        return DCPMethod(name, root, every, partitioned=cfg.data_parallel == "zero2")
     if name == "nvrx_local":
         return NvrxMethod(name, root, every)
     k = {"moc_full": (n, n), "moc_paper": tuple(scaled_k(v, n) for v in PAPER_K), "moc_k1": (1, 1)}[name]
@@ -612,7 +649,7 @@ def copy_gbps(tensors: list[torch.Tensor], repeats: int = 3) -> float:
 def write_fsync_gbps(directory: Path, nbytes: int, chunk: int = 64 << 20) -> float:
     """Sequential ``os.write`` + ``os.fsync`` bandwidth of ``directory``'s storage for ``nbytes``: a persist's bound."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "speed_of_light.bin"
+    path = directory / f"speed_of_light.{_rank()}.bin"  # every process measures at once, as they would persist
     block = memoryview(bytearray(os.urandom(min(chunk, nbytes))))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -630,10 +667,11 @@ def write_fsync_gbps(directory: Path, nbytes: int, chunk: int = 64 << 20) -> flo
 
 # ---------------------------------------------------------------- the run
 def _train_config(cfg: BenchConfig, max_steps: int) -> TrainConfig:
-    """One process, one device, no validation: only training and checkpointing take time."""
+    """``devices`` processes, one device each, no validation: only training and checkpointing take time."""
     trainer = TrainerConfig(
         accelerator=cfg.accelerator,
-        devices=1,
+        devices=cfg.devices,
+        data_parallel=cfg.data_parallel,
         max_steps=max_steps,
         val_check_interval=max_steps,
         limit_val_batches=0,
@@ -663,7 +701,7 @@ def fit(
     """Train from the seed (every run sees the same initial weights and batches), or resume and take one step."""
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = GPTMoEModule(cfg.model, cfg.optim, seed=cfg.seed)
+    module = GPTMoEModule(cfg.model, cfg.optim, seed=cfg.seed, data_parallel=cfg.data_parallel)
     data = LMDataModule(cfg.data, block_size=cfg.model.block_size, vocab_size=cfg.model.vocab_size)
     clock = StepClock(stop_after_first=resuming)
     max_steps = cfg.steps + 1 if resuming else cfg.steps  # a resumed run goes one step past the checkpoint
@@ -696,7 +734,7 @@ def _pct(value: float | None, bound: float) -> float | None:
 
 def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
     """The row of one method's run, recovery aside."""
-    stalls = method.stalls()
+    stalls = _slowest(method.stalls())
     iterations = run.clock.iteration_seconds(cfg.warmup_steps)
     checkpoints = method.checkpoints()
     on_disk = round(statistics.fmean(map(disk_bytes, checkpoints))) if checkpoints else None
@@ -722,16 +760,17 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
 
 
 def recover_seconds(cfg: BenchConfig, method: Method) -> float:
-    """From building a fresh module and Trainer to the start of the first step after restoring."""
+    """From building a fresh module and Trainer to the start of the first step after restoring (the slowest
+    rank's)."""
     callbacks, setup, ckpt_path = method.resume()
     run = fit(cfg, method.root / "resume", callbacks, setup, ckpt_path, resuming=True)
-    return round(run.clock.starts[0] - run.started, 3)
+    return round(_slowest([run.clock.starts[0] - run.started])[0], 3)
 
 
 def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: Baseline) -> Row:
     """Train with one method, measure it, resume from its newest checkpoint, and delete what it wrote."""
     root = work / name
-    shutil.rmtree(root, ignore_errors=True)  # what an interrupted earlier run left must not be measured
+    _remove_on_rank0(root)  # what an interrupted earlier run left must not be measured
     try:
         method = make_method(name, root, cfg, shm_root)
     except MethodUnavailable as why:
@@ -741,16 +780,80 @@ def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: 
         method.release()
         release_memory()
         row.recover_seconds = recover_seconds(cfg, method)
-    for path in (root, shm_root / name):
-        shutil.rmtree(path, ignore_errors=True)
+    _remove_on_rank0(root, shm_root / name)
     return row
 
 
 def run_bench(cfg: BenchConfig, output_dir: Path) -> dict[str, Any]:
-    """The whole benchmark: a no-checkpoint baseline, the speed of light, then every method."""
-    work = Path(cfg.work_dir) if cfg.work_dir else output_dir / "work"
-    with tempfile.TemporaryDirectory(prefix="moc_bench_", dir=cfg.shm_root or _tmpfs()) as shm_root:
-        return _run(cfg, work, Path(shm_root))
+    """The whole benchmark: a no-checkpoint baseline, the speed of light, then every method (collective when
+    ``cfg.devices`` > 1: every process of ``torchrun`` calls it, and all return the same result)."""
+    with _processes(cfg):
+        work = Path(_agreed(cfg.work_dir or str(output_dir / "work")))  # rank 0's run dir: Hydra's may differ
+        with _shared_tempdir(cfg.shm_root or _tmpfs()) as shm_root:
+            return _run(cfg, work, shm_root)
+
+
+@contextlib.contextmanager
+def _processes(cfg: BenchConfig) -> Iterator[None]:
+    """The benchmark's own process group over ``torchrun``'s processes, for its agreements (paths, the slowest
+    rank's timings); Lightning's strategies find it initialised and train over it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.devices:
+        raise ValueError(
+            f"devices={cfg.devices} but {world} process(es) run: launch with "
+            f"torchrun --standalone --nproc-per-node={cfg.devices} recipes/bench.py devices={cfg.devices}"
+        )
+    if world == 1:
+        yield
+        return
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agreed(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _slowest(values: list[float]) -> list[float]:
+    """Per position, the largest of every rank's ``values``: synchronous training waits for the slowest rank."""
+    if not dist.is_initialized():
+        return values
+    every: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, values)
+    return [max(column) for column in zip(*every)]
+
+
+@contextlib.contextmanager
+def _shared_tempdir(parent: str | None) -> Iterator[Path]:
+    """A fresh directory under ``parent`` that every rank uses (rank 0 makes it and removes it at the end)."""
+    path = Path(_agreed(tempfile.mkdtemp(prefix="moc_bench_", dir=parent) if _rank() == 0 else ""))
+    try:
+        yield path
+    finally:
+        _remove_on_rank0(path)
+
+
+def _remove_on_rank0(*paths: Path) -> None:
+    """Delete ``paths`` once every rank is done with them, and before any rank writes there again."""
+    if dist.is_initialized():
+        dist.barrier()
+    if _rank() == 0:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _tmpfs() -> str | None:
@@ -771,7 +874,7 @@ def baseline(cfg: BenchConfig, work: Path) -> Baseline:
         copy_gbps=round(copy_gbps(_state_tensors(run.trainer)), 3),
         write_fsync_gbps=round(write_fsync_gbps(work, state_bytes), 3),
     )
-    shutil.rmtree(work / "baseline", ignore_errors=True)
+    _remove_on_rank0(work / "baseline")
     return base
 
 
@@ -795,8 +898,9 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         release_memory()
         rows.append(asdict(bench_method(name, cfg, work, shm_root, base)))
     return {
-        "world_size": 1,
-        "devices": 1,
+        "world_size": cfg.devices,
+        "devices": cfg.devices,
+        "data_parallel": cfg.data_parallel,
         "accelerator": cfg.accelerator,
         "setup": SETUP,
         "model": asdict(cfg.model),
@@ -832,7 +936,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The methods as a markdown table, headed by the set-up and the speed of light they are measured against."""
     sol = result["speed_of_light"]
     lines = [
-        f"{result['setup']}; {result['steps']} steps, checkpoint every {result['every_n_train_steps']}; "
+        f"{result['world_size']} process(es), {result['data_parallel']}: {result['setup']}; "
+        f"{result['steps']} steps, checkpoint every {result['every_n_train_steps']}; "
         f"state {result['state_bytes'] / 1e6:.1f} MB; no-checkpoint iteration {result['baseline_iter_ms']} ms",
         f"speed of light: copy into a reused buffer {sol['copy_gbps']} GB/s, "
         f"write+fsync {sol['write_fsync_gbps']} GB/s",

@@ -6,14 +6,16 @@ Only sizes are asserted: durations on a shared 2-core machine are too noisy to a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moc_lightning.bench import METHODS, BenchConfig, disk_bytes, scaled_k, tensor_bytes
-from quick_bench import QUICK_BENCH, BenchRun
+from moc_lightning.bench import METHODS, BenchConfig, disk_bytes, run_bench, scaled_k, tensor_bytes
+from quick_bench import QUICK_BENCH, ROOT, BenchRun
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
            "recover_seconds")
@@ -70,3 +72,40 @@ def test_quick_preset_reports_every_method(quick_bench: BenchRun) -> None:
     for name, row in rows.items():
         if row["skipped"] is None:  # the issue's bound on bytes written: eq. 5 (full state) or eq. 6 (MoC) + 1%
             assert row["expected_bytes"] <= row["bytes_per_checkpoint"] <= 1.01 * row["expected_bytes"], name
+
+
+@pytest.mark.slow
+def test_two_processes_under_zero2_measure_moc_beside_dcp_and_skip_what_cannot_save_zero2(tmp_path: Path) -> None:
+    """``devices=2 data_parallel=zero2`` under torchrun: DCP ``async_save`` writes the whole state (each rank its
+    own optimizer partition), MoC K=1 writes eq. 6, and ``ModelCheckpoint`` is skipped with the reason.
+
+    Failed on 02aaa0c: ``devices`` was not a field of the benchmark's config."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "recipes/bench.py",
+           "model=tiny", "devices=2", "data_parallel=zero2", "steps=8", "every_n_train_steps=4",
+           "methods=[lightning_sync,dcp_async,moc_k1]", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}",
+           f"shm_root={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("| method |") == 1, "rank 0 alone reports"
+    result = json.loads(out.read_text())
+    assert (result["world_size"], result["data_parallel"]) == (2, "zero2")
+    rows = {row["name"]: row for row in result["methods"]}
+    assert "zero2" in rows["lightning_sync"]["skipped"]
+    for name in ("dcp_async", "moc_k1"):
+        row = rows[name]
+        assert row["skipped"] is None and row["checkpoints"] == 2 and row["recover_seconds"] > 0, name
+        assert row["expected_bytes"] == pytest.approx(row["tensor_bytes_per_checkpoint"], rel=1e-4), name
+    assert rows["moc_k1"]["tensor_bytes_per_checkpoint"] < rows["dcp_async"]["tensor_bytes_per_checkpoint"] / 2
+    assert not list(tmp_path.glob("moc_bench_*")), "the shared slot directory is removed"
+
+
+def test_devices_must_match_the_processes_that_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"devices=2 but 1 process\(es\) run: launch with torchrun"):
+        run_bench(BenchConfig(devices=2), tmp_path)
+
+
+def test_config_rejects_modes_the_benchmark_cannot_checkpoint() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel='fsdp2' is not supported with recipes/bench.py; "
+                                         r"choose one of: ddp, zero2"):
+        BenchConfig(data_parallel="fsdp2")
