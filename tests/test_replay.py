@@ -204,3 +204,23 @@ def test_capture_bytes_per_iteration_against_a_full_checkpoint() -> None:
                 f"{max(measured):,} B (by count {by_count:,} B); a full checkpoint {full:,} B"
             )
             assert max(measured) <= by_count and max(measured) < full
+
+
+def test_a_record_reuses_its_buffers_and_replays_only_a_complete_window() -> None:
+    """The next window copies into the buffers of the first (no allocation in steady state); captures go in
+    order; a window still being captured cannot be replayed."""
+    run = Run(MODELS["buffered"], seed=0)
+    schedule = window_schedule(run.layout.units, 2)
+    record = WindowRecord(schedule, 2)
+    storages = []
+    for iteration in range(4):
+        run.train(iteration)
+        record.capture(run.layout, iteration % 2)
+        if iteration % 2:
+            storages.append({k: v.data_ptr() for state in record.full.values() for k, v in state.items()})
+    assert storages[0] == storages[1]
+    with pytest.raises(ValueError, match="in order; got offset 1 after 0 captured"):
+        WindowRecord(schedule, 2).capture(run.layout, 1)
+    record.capture(run.layout, 0)
+    with pytest.raises(ValueError, match="only a complete window can be replayed: 1 of 2"):
+        replay(record, run.layout, lambda i: None)
