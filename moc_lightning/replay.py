@@ -168,10 +168,10 @@ def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) 
     an expert that had no token when captured must have none), and only then: recreating a stacked
     parameter's state zeroes its other experts' slices, which may already be restored.
     """
-    optimizer_keys = set(layout.tensors([unit])) - set(layout.model_tensors([unit]))
+    model_keys = set(layout.model_tensors([unit]))
+    optimizer_keys = set(layout.tensors([unit])) - model_keys
     saved: dict[str, TensorSpec] = {
-        key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items()
-        if key not in layout.model_tensors([unit])
+        key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if key not in model_keys
     }
     if set(saved) != optimizer_keys:
         layout.reset_optimizer_state([unit], saved)
