@@ -1,0 +1,245 @@
+"""Replay mode's core: sparse captures over a window, and the sparse-to-dense replay that turns them back into
+the exact fault-free state (MoEvement's conversion, over our units).
+
+PEC gives up tokens: a recovery sends the experts it did not save back to older versions. Replay mode gives
+up none. A **window** of W iterations activates every unit exactly once; each iteration copies the *full*
+state of its active units and only the *compute weights* of the units not yet active in the window (the
+frozen ones), so no iteration copies a full checkpoint, yet the window holds enough to recompute one.
+
+Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a unit is active at, see
+:func:`window_schedule`):
+
+- **Capture at t** runs after iteration t's optimizer step and before iteration t+1's forward (the snapshot
+  point of every other mode). It copies the full state (weights, optimizer state including Adam's ``step``,
+  persistent buffers) of the units with ``t_u == t``, and the weights and buffers of the units with
+  ``t_u > t``: exactly what iteration t+1's forward reads. Buffers count as compute weights because a
+  forward may read them (a router's load-balancing bias) and update them (norm statistics).
+- **Replay at i**, for i = 1 .. W-1, recomputes iteration i. Units with ``t_u < i`` hold their true state
+  after iteration i-1 (restored at ``t_u``, trained since) and train normally. Units with ``t_u >= i`` are
+  frozen: they get the weights captured at i-1 (those iteration i read), run forward and backward so
+  gradients reach the units that train, and are not stepped. Iteration 0 is never replayed: every unit is
+  frozen there, and its captured state after iteration 0 is restored directly. A unit active at t_u is
+  restored right after replay iteration t_u, so after the replay of W-1 every unit is at its state after
+  iteration W-1, bitwise, as long as each replayed iteration repeats the fault-free one (same batch, same
+  RNG state, same gradient clipping: the caller's business).
+- **Not stepping a frozen unit**: its parameters' gradients are dropped (``None``) right before the
+  optimizer step, so torch's optimizers skip them: no ``step`` counted, no weight decay, no moments touched.
+  Exactness does not rest on this (a unit is restored whole right after ``t_u``, which overwrites whatever
+  its frozen iterations did to it); it spares the step's work on the frozen units, half the state on
+  average. It happens after anything the training loop does to all gradients, since clipping by global
+  norm must see the frozen units' gradients as the fault-free iteration did. A stacked parameter ``[E, ...]``
+  whose experts are only partly frozen cannot drop one slice's gradient; it is stepped whole, and its frozen
+  slices are overwritten (by the next captured weights, then by their full state) before anything reads them.
+- Gradients are set to ``None`` before each replayed iteration and after the replay, as
+  ``zero_grad(set_to_none=True)`` does: the fault-free training loop must do the same, or a parameter
+  without gradient in some iteration (an expert that got no token) would be stepped on a zero gradient in
+  one run and skipped in the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moc_lightning.layout import Layout, TensorSpec, UnitBytes
+from moc_lightning.units import ExpertUnit, Unit
+
+
+def window_schedule(
+    units: Sequence[Unit], window: int, sizes: Mapping[Unit, UnitBytes] | None = None
+) -> dict[Unit, int]:
+    """The offset ``t_u`` in ``[0, window)`` at which each unit is active (captured with its full state).
+
+    The experts of each MoE layer are spread evenly over the window (K = N/W of them an iteration, rounded
+    down or up), as PEC's rotation takes K per layer. The dense units differ in size by orders of magnitude (an
+    embedding against a norm), and what an offset copies depends on where every unit sits: a unit active at
+    ``t_u`` costs its full state there and its weights at every earlier offset. So they are placed largest
+    first where the largest copy of any offset (:func:`capture_bytes`) grows least: the copy of one iteration
+    is what training may wait for. Among equal peaks, where the window copies least in all (a late offset
+    costs weights logged at every earlier one), then on the offset holding least. Without ``sizes`` every
+    unit counts one and nothing is logged, which spreads the dense units evenly by count.
+    """
+    if window < 1:
+        raise ValueError(f"replay window must be >= 1 iteration, got {window}")
+
+    def cost(unit: Unit) -> tuple[int, int]:
+        """(full state, weights logged while frozen)."""
+        if sizes is None:
+            return 1, 0
+        return sizes[unit].total, sizes[unit].weights + sizes[unit].buffers
+
+    schedule: dict[Unit, int] = {}
+    experts: dict[int, list[ExpertUnit]] = {}
+    for unit in sorted(units):
+        if isinstance(unit, ExpertUnit):
+            experts.setdefault(unit.layer, []).append(unit)
+    for layer in experts.values():
+        schedule.update({unit: j * window // len(layer) for j, unit in enumerate(layer)})
+    load = [0] * window
+
+    def placed(unit: Unit, t: int) -> list[int]:
+        full, logged = cost(unit)
+        return [x + (full if i == t else logged if i < t else 0) for i, x in enumerate(load)]
+
+    for unit, t in schedule.items():
+        load = placed(unit, t)
+    for unit in sorted((u for u in units if not isinstance(u, ExpertUnit)), key=lambda u: (-cost(u)[0], u)):
+        schedule[unit] = min(range(window), key=lambda t: (max(placed(unit, t)), sum(placed(unit, t)), load[t], t))
+        load = placed(unit, schedule[unit])
+    return schedule
+
+
+def capture_bytes(layout: Layout, schedule: Mapping[Unit, int], window: int) -> list[int]:
+    """Bytes each offset of the window copies: the full state of its active units, the weights and buffers
+    of its frozen ones (read from the live tensors, so optimizer state counts once it exists)."""
+    sizes = {unit: layout.unit_bytes(unit) for unit in schedule}
+    return [
+        sum(s.total if schedule[u] == t else s.weights + s.buffers for u, s in sizes.items() if schedule[u] >= t)
+        for t in range(window)
+    ]
+
+
+@dataclass
+class WindowRecord:
+    """What one window captured: each unit's full state at its ``t_u``, and the compute weights of the frozen
+    units at each offset. The copies go into buffers the record allocates at its first window and reuses in
+    the next ones (a fresh allocation is several times slower than a copy)."""
+
+    schedule: Mapping[Unit, int]
+    """``t_u`` of every unit (:func:`window_schedule`)."""
+    window: int | None = None
+    """W; defaults to the last offset of ``schedule`` plus one."""
+    device: torch.device | str = "cpu"
+    """Where the copies live: host memory, as snapshots do."""
+    full: dict[Unit, dict[str, torch.Tensor]] = field(default_factory=dict, init=False)
+    """Full state (:meth:`Layout.tensors` keys) of each unit captured so far in this window."""
+    logged: list[dict[str, torch.Tensor]] = field(default_factory=list, init=False)
+    """Per offset, the weights and buffers (:meth:`Layout.model_tensors` keys) of the units frozen there."""
+    _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            raise ValueError("a replay window needs a schedule with at least one unit")
+        last = max(self.schedule.values())
+        self.window = last + 1 if self.window is None else self.window
+        if min(self.schedule.values()) < 0 or last >= self.window:
+            raise ValueError(f"schedule offsets must lie in [0, window={self.window}); got up to {last}")
+
+    @property
+    def captured(self) -> int:
+        """Offsets captured so far in this window."""
+        return len(self.logged)
+
+    @property
+    def complete(self) -> bool:
+        return self.captured == self.window
+
+    def capture(self, layout: Layout, t: int) -> int:
+        """Capture offset ``t`` from ``layout``'s live tensors (see the module docstring for when); returns the
+        bytes copied. Offset 0 starts a new window, dropping the previous one's contents (not its buffers)."""
+        if t == 0:
+            self.full.clear()
+            self.logged.clear()
+        if t != self.captured:
+            raise ValueError(f"replay captures go 0, 1, ..., {self.window - 1} in order; got offset {t} after "
+                             f"{self.captured} captured")
+        copied = 0
+        for unit in (u for u, tu in self.schedule.items() if tu == t):
+            self.full[unit] = {key: self._stash(-1, key, tensor) for key, tensor in layout.tensors([unit]).items()}
+            copied += sum(b.numel() * b.element_size() for b in self.full[unit].values())
+        frozen = [u for u, tu in self.schedule.items() if tu > t]
+        self.logged.append({key: self._stash(t, key, tensor) for key, tensor in layout.model_tensors(frozen).items()})
+        return copied + sum(b.numel() * b.element_size() for b in self.logged[t].values())
+
+    def _stash(self, t: int, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` into its reused buffer (``t = -1`` for full states: each unit's is taken once a window)."""
+        buffer = self._buffers.get((t, key))
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[(t, key)] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        return buffer.copy_(tensor)
+
+
+def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) -> None:
+    """Put ``unit``'s live weights, optimizer state and buffers at ``state`` (one of :attr:`WindowRecord.full`).
+
+    The optimizer state is recreated first when the live one has other entries (a fresh optimizer has none;
+    an expert that had no token when captured must have none), and only then: recreating a stacked
+    parameter's state zeroes its other experts' slices, which may already be restored.
+    """
+    model_keys = set(layout.model_tensors([unit]))
+    optimizer_keys = set(layout.tensors([unit])) - model_keys
+    saved: dict[str, TensorSpec] = {
+        key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if key not in model_keys
+    }
+    if set(saved) != optimizer_keys:
+        layout.reset_optimizer_state([unit], saved)
+    layout.copy_in(state)
+
+
+class Replay:
+    """The replay of one complete window into ``layout``, as steps a training loop calls around its own:
+    :meth:`before_forward`, the loop's forward and backward, :meth:`before_optimizer_step`, the optimizer
+    step; after the last iteration, :meth:`finish`. :func:`replay` is that loop for a plain ``step_fn``."""
+
+    def __init__(self, record: WindowRecord, layout: Layout) -> None:
+        if not record.complete:
+            raise ValueError(f"only a complete window can be replayed: {record.captured} of {record.window} "
+                             "iterations captured")
+        if layout.optimizer is None:
+            raise ValueError("replay steps the optimizer: build the layout with it")
+        if set(record.schedule) != set(layout.units):
+            differ = sorted(set(record.schedule) ^ set(layout.units))
+            raise ValueError(f"the window's units differ from the layout's: {[u.key for u in differ[:5]]}")
+        self.record = record
+        self.layout = layout
+        self._owners: dict[str, list[Unit]] = {}
+        for unit, slots in layout.slots.items():
+            for slot in slots:
+                if not slot.buffer:
+                    self._owners.setdefault(slot.param, []).append(unit)
+
+    @property
+    def iterations(self) -> range:
+        """Offsets to recompute: iteration 0 has nothing to train (see the module docstring)."""
+        return range(1, self.record.window)
+
+    def before_forward(self, i: int) -> None:
+        """Restore the units active at i-1, give the frozen ones the weights iteration i read, clear gradients."""
+        self._restore(self._active(i - 1))
+        self.layout.copy_in(self.record.logged[i - 1])
+        self.layout.optimizer.zero_grad(set_to_none=True)
+
+    def before_optimizer_step(self, i: int) -> None:
+        """Drop the gradients of parameters whose units are all frozen at i, so the optimizer skips them."""
+        for name, owners in self._owners.items():
+            if all(self.record.schedule[u] >= i for u in owners):
+                self.layout.params[name].grad = None
+
+    def finish(self) -> None:
+        """Restore the units active at the window's last iteration: every unit is now at its state after it."""
+        self._restore(self._active(self.record.window - 1))
+        self.layout.optimizer.zero_grad(set_to_none=True)
+
+    def _active(self, t: int) -> list[Unit]:
+        return [u for u, tu in self.record.schedule.items() if tu == t]
+
+    def _restore(self, units: Iterable[Unit]) -> None:
+        for unit in units:
+            restore_unit(self.layout, unit, self.record.full[unit])
+
+
+def replay(record: WindowRecord, layout: Layout, step_fn: Callable[[int], None]) -> int:
+    """Recompute a complete window so that ``layout``'s model and optimizer, whatever their state, end at the
+    fault-free state after the window's last iteration. ``step_fn(i)`` runs the forward and backward of
+    offset ``i`` on its recorded batch and RNG state (and whatever the loop does to gradients before the
+    step). Returns the number of iterations replayed."""
+    run = Replay(record, layout)
+    for i in run.iterations:
+        run.before_forward(i)
+        step_fn(i)
+        run.before_optimizer_step(i)
+        layout.optimizer.step()
+    run.finish()
+    return len(run.iterations)
