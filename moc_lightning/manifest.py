@@ -23,7 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from moc_lightning.lineage import Lineage
-from moc_lightning.parts import PARTS, part_key
+from moc_lightning.parts import PARTS, part_key, split_part_key
 from moc_lightning.sealed import SealError, seal, unseal
 
 FORMAT_VERSION = 1
@@ -134,7 +134,7 @@ class Manifest:
         if retention < 1:
             raise ValueError(f"checkpoint.retention must be >= 1, got {retention}")
         keep = {r.name for r in self.records[-retention:]}
-        parts = {tuple(key.rsplit("/", 1)) for r in self.records for key in r.part_keys()}
+        parts = {split_part_key(key) for r in self.records for key in r.part_keys()}
         newest_of_some_part = {self.newest(unit, part=part).name for unit, part in parts}
         kept = tuple(r for r in self.records if r.name in keep or r.name in newest_of_some_part)
         removed = [r.name for r in self.records if r not in kept]
@@ -192,7 +192,7 @@ def _record(raw: object) -> CheckpointRecord:
     if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
         raise ManifestError("manifest record field 'units' must be a list of unit keys")
     parts = raw.get("parts", [])
-    if not isinstance(parts, list) or not all(isinstance(p, str) and p.rsplit("/", 1)[-1] in PARTS for p in parts):
+    if not isinstance(parts, list) or not all(isinstance(p, str) and p.rpartition("/")[2] in PARTS for p in parts):
         raise ManifestError(f"manifest record field 'parts' must be a list of part keys, got {parts!r:.80}")
     if raw["step"] < 0 or raw["world_size"] < 1 or raw["ep"] < 1 or "/" in raw["name"] or not raw["name"]:
         raise ManifestError(f"manifest record {raw['name']!r} has out-of-range fields")

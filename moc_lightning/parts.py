@@ -16,6 +16,8 @@ in snapshot slots, so a recovery can take each part from its own newest survivin
 
 from __future__ import annotations
 
+from moc_lightning.units import parse_unit
+
 PARTS = ("weights", "optimizer")
 SCOPES = ("both", "optimizer", "weights")
 
@@ -38,3 +40,16 @@ def always_saved(scope: str) -> str | None:
     if scope not in SCOPES:
         raise ValueError(f"checkpoint.pec_scope={scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
     return {"both": None, "optimizer": "weights", "weights": "optimizer"}[scope]
+
+
+def part_key_of(key: str) -> str:
+    """The part key a state-dict key belongs to (``expert/L0/E3/optim/fc.weight/exp_avg`` -> ``expert/L0/E3/optimizer``)."""
+    return part_key(parse_unit(key).key, part_of(key))
+
+
+def split_part_key(key: str) -> tuple[str, str]:
+    """``expert/L0/E3/weights`` -> ``("expert/L0/E3", "weights")``."""
+    unit_key, _, part = key.rpartition("/")
+    if part not in PARTS:
+        raise ValueError(f"not a part key: {key!r}; expected '<unit key>/<{'|'.join(PARTS)}>'")
+    return unit_key, part
