@@ -588,18 +588,18 @@ class TwoLevelCheckpointer:
 
     def _describe_sources(self, plan: RecoveryPlan) -> dict[str, dict[str, Any]]:
         """The report's ``sources`` (see :attr:`RecoveryReport.sources`): per unit under ``both``, with its
-        experts' parts under the other scopes."""
+        experts' parts under the other scopes, and with the parts of any unit whose parts came from different
+        sources (a lineage written under another scope)."""
         def describe(source: Source) -> dict[str, Any]:
             return {"level": source.describe(self.rank), "step": source.step, "rank": source.rank}
 
         by_part = always_saved(self.pec.cfg.pec_scope) is not None
-        units = dict.fromkeys(split_part_key(key)[0] for key in plan.sources)
         described = {}
-        for unit in units:
-            if not (by_part and unit.startswith("expert/")):
-                described[unit] = describe(plan.unit_source(unit))
-                continue
+        for unit in dict.fromkeys(split_part_key(key)[0] for key in plan.sources):
             parts = {part: plan.sources[part_key(unit, part)] for part in PARTS}
+            if len(set(parts.values())) == 1 and not (by_part and unit.startswith("expert/")):
+                described[unit] = describe(parts["weights"])
+                continue
             stalest = min(parts.values(), key=lambda s: s.step)
             described[unit] = {**describe(stalest), "parts": {part: describe(s) for part, s in parts.items()}}
         return described

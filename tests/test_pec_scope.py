@@ -129,3 +129,16 @@ def test_lightning_recovery_takes_each_part_from_its_newest_copy(tmp_path: Path,
 
 def _other(scope: str) -> str:
     return "weights" if scope == "optimizer" else "optimizer"
+
+
+def test_a_lineage_written_under_one_scope_resumes_under_another(tmp_path: Path) -> None:
+    """Checkpoints written under ``optimizer`` hold single parts; a restart under ``both`` still takes each part
+    from its newest copy and reports the parts of the experts whose parts differ."""
+    first = Recorder(at=(5, 10, 15), crash_after=17)
+    fit_or_crash(tmp_path, _config(tmp_path, "optimizer"), 30, first)
+    shutil.rmtree(tmp_path / "shm")
+    resumed = Recorder()
+    moc = fit_or_crash(tmp_path, _config(tmp_path, "both"), 20, resumed)
+    assert moc.recovery.resume_step == 15
+    check_sources(first, resumed, moc.recovery.sources)
+    assert _mixed(moc.recovery.sources), "the parts written under optimizer are used"
