@@ -25,8 +25,7 @@ from moc_lightning.size_model import size_model
 from moc_lightning.units import ExpertUnit, parse_unit
 
 SCOPES = ("both", "optimizer", "weights")
-PEC_PART = {"optimizer": "optimizer", "weights": "weights"}
-"""Under each partial scope, the part of an expert that only K experts per layer get at a checkpoint."""
+"""Under ``optimizer`` and ``weights`` the scope names the part of an expert that only K experts per layer get."""
 
 
 def test_pec_scope_is_validated_naming_the_option_and_the_choices() -> None:
@@ -123,8 +122,8 @@ def test_lightning_recovery_takes_each_part_from_its_newest_copy(tmp_path: Path,
     assert mixed, "some expert's non-PEC part is newer than its PEC part"
     for unit in mixed:
         parts = sources[unit]["parts"]
-        assert parts[PEC_PART[scope]]["step"] < parts[_other(scope)]["step"] == 15
-        assert sources[unit]["step"] == parts[PEC_PART[scope]]["step"], "an expert's step is its stalest part's"
+        assert parts[scope]["step"] < parts[_other(scope)]["step"] == 15
+        assert sources[unit]["step"] == parts[scope]["step"], "an expert's step is its stalest part's"
 
 
 def _other(scope: str) -> str:
