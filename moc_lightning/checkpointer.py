@@ -11,6 +11,10 @@ A load reads the manifest, takes every dense unit from the newest checkpoint and
 newest stored version, loads them with DCP (any world size and EP degree), and accounts the lost tokens of
 the experts that came from older steps (PLT, eq. 7).
 
+``checkpoint.pec_scope`` (:mod:`moc_lightning.parts`): a save also writes the non-PEC part of every expert it
+does not take whole, and a load takes each part of each expert from its own newest stored version; sources
+are keyed by part key (``expert/L0/E3/weights``), and an expert's lost tokens are those since its stalest part.
+
 Usable without Lightning: give it a layout, the topology and a storage backend.
 """
 
@@ -38,6 +42,7 @@ from moc_lightning.lineage import Lineage, LineageError
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, part_of, split_part_key
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
 from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
@@ -124,7 +129,8 @@ class LoadReport:
 
     resume_step: int
     sources: dict[str, int]
-    """Unit key -> step of the version that was loaded (``-1``: never stored, left at initialisation)."""
+    """Unit key -> step of the version that was loaded (``-1``: never stored, left at initialisation); of its
+    stalest part under a ``pec_scope`` other than ``both``."""
     fault: FaultReport
     k_changed: bool
     """Whether Dynamic-K raised K after this recovery."""
@@ -237,9 +243,28 @@ class PECCheckpointer:
         self.snapshots_taken += 1
         if not persist:
             return None
-        report = self.persist(step, self.layout.dense_units + tuple(sorted(selection.persist_units())))
+        whole = self.layout.dense_units + tuple(sorted(selection.persist_units()))
+        report = self.persist(step, whole, parts=self.partial_parts(whole))
         self.prune_ledger()
         return report
+
+    def partial_parts(self, whole: Collection[Unit]) -> tuple[str, ...]:
+        """Part keys a checkpoint of the ``whole`` units saves besides them: the non-PEC part of every other
+        expert (``checkpoint.pec_scope``); none under ``both``."""
+        part = always_saved(self.cfg.pec_scope)
+        if part is None:
+            return ()
+        return tuple(part_key(u.key, part) for u in self._all_units() if isinstance(u, ExpertUnit) and u not in whole)
+
+    def part_tensors(self, parts: Iterable[str]) -> dict[str, torch.Tensor]:
+        """This rank's tensors of the units it holds among ``parts`` (part keys), as in-place views."""
+        tensors: dict[str, torch.Tensor] = {}
+        for key in parts:
+            unit_key, part = split_part_key(key)
+            unit = parse_unit(unit_key)
+            if unit in self.layout.slots:
+                tensors.update({k: t for k, t in self.layout.tensors([unit]).items() if part_of(k) == part})
+        return tensors
 
     def prune_ledger(self, in_memory: Sequence[int] = ()) -> None:
         """Forget token marks older than every stored version and every snapshot step in ``in_memory``."""
@@ -308,13 +333,15 @@ class PECCheckpointer:
         step: int,
         units: Sequence[Unit],
         *,
+        parts: Sequence[str] = (),
         from_slot: Mapping[str, torch.Tensor] | None = None,
         engine_state: dict[str, Any] | None = None,
         trainer_state: str | None = None,
         before_commit: Callable[[], None] | None = None,
         supersede: bool = False,
     ) -> SaveReport:
-        """Write ``units`` (all ranks' share) as checkpoint ``step`` and commit it in the manifest.
+        """Write ``units`` whole and ``parts`` (part keys of other units, :meth:`partial_parts`), all ranks' share,
+        as checkpoint ``step`` and commit it in the manifest.
 
         By default this rank writes the rows the ownership gives it, from the live tensors. With
         ``from_slot`` it writes those tensors (a snapshot slot: whole units it owns) as they are, and
@@ -331,7 +358,8 @@ class PECCheckpointer:
         try:
             if from_slot is None:
                 state: dict[str, Any] = self.layout.tensors([u for u in units if u in self.layout.slots])
-                writes = self._writes(units, state)
+                state.update(self.part_tensors(parts))
+                writes = self._writes(units, state, parts)
             else:
                 state = dict(from_slot)
                 writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
@@ -353,6 +381,7 @@ class PECCheckpointer:
             name=name,
             step=step,
             units=tuple(u.key for u in units),
+            parts=tuple(parts),
             strategy=self.cfg.sharding,
             world_size=self.topology.world_size,
             ep=self.topology.ep,
@@ -372,7 +401,8 @@ class PECCheckpointer:
             name=name,
             units=record.units,
             bytes_written=written,
-            expected_bytes=sum(self.unit_nbytes(u) for u in units),
+            expected_bytes=sum(self.unit_nbytes(u) for u in units)
+            + sum(self.unit_nbytes(parse_unit(u), part) for u, part in map(split_part_key, parts)),
             seconds=time.perf_counter() - start,
         )
         if self._is_coordinator:  # after the commit, and after the persist's clock
@@ -504,7 +534,7 @@ class PECCheckpointer:
         The parameter map and the model description let ``moc-consolidate`` write a dense checkpoint under
         the model's own names, in its own format, without building the model.
         """
-        held = set(record.units)
+        held = set(record.units) | {u for u, part in map(split_part_key, record.parts) if part == "weights"}
         return {
             "record": dataclasses.asdict(record),
             "lineage": self.lineage.stamp() if self.lineage is not None else None,
@@ -542,16 +572,22 @@ class PECCheckpointer:
             self._param_sources = {key: src for part in parts for key, src in part.items()}
         return self._param_sources
 
-    def _writes(self, units: Sequence[Unit], state: dict[str, torch.Tensor]) -> dict[str, RowRange] | None:
-        """Rows of every local tensor this rank writes, from the ownership of ``units``; under ZeRO, the whole
-        tensors of the units whose optimizer state this rank keeps (no other rank holds that state)."""
+    def _writes(
+        self, units: Sequence[Unit], state: dict[str, torch.Tensor], parts: Sequence[str] = ()
+    ) -> dict[str, RowRange] | None:
+        """Rows of every local tensor this rank writes, from the ownership of ``units`` and of the units of
+        ``parts`` (sized by that part); under ZeRO, the whole tensors of the units whose optimizer state this rank
+        keeps (no other rank holds that state)."""
+        partial = {parse_unit(u): part for u, part in map(split_part_key, parts)}
         if self.state_owners is not None:
-            mine = {u.key for u in units if self.state_owners[u.key] == self.topology.rank}
+            mine = {u.key for u in (*units, *partial) if self.state_owners[u.key] == self.topology.rank}
             return {k: _whole_rows(t) for k, t in state.items() if parse_unit(k).key in mine}
         if self.cfg.sharding == "dcp_default":
             return None
         topology = Topology(self.topology.world_size, self.topology.ep)
-        sharding_units = tuple(self._sharding_unit(u) for u in units)
+        sharding_units = tuple(self._sharding_unit(u) for u in units) + tuple(
+            self._sharding_unit(u, part) for u, part in partial.items()
+        )
         ownership = plan_ownership(sharding_units, topology, self.cfg.sharding)
         by_unit: dict[str, list[str]] = {}
         for key in state:
@@ -567,9 +603,9 @@ class PECCheckpointer:
                 writes[key] = tensor_row_range(shard.row_start, shard.row_stop, unit.rows, tensor.shape[0])
         return writes
 
-    def _sharding_unit(self, unit: Unit) -> ShardingUnit:
+    def _sharding_unit(self, unit: Unit, part: str | None = None) -> ShardingUnit:
         rows = self._unit_rows[self.local_twin(unit)]
-        nbytes = self.unit_nbytes(unit)
+        nbytes = self.unit_nbytes(unit, part)
         common = {"key": unit.key, "rows": rows, "row_bytes": max(1, math.ceil(nbytes / rows))}
         if isinstance(unit, DenseUnit):
             return ShardingUnit(kind="dense", holders=range(self.topology.world_size), **common)
@@ -585,10 +621,12 @@ class PECCheckpointer:
         assert isinstance(unit, ExpertUnit)
         return next(u for u in self.layout.expert_units if u.layer == unit.layer)
 
-    def unit_nbytes(self, unit: Unit) -> int:
+    def unit_nbytes(self, unit: Unit, part: str | None = None) -> int:
         """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it (or, under ZeRO,
-        keeps its optimizer state: :func:`model_unit_bytes`)."""
-        return model_unit_bytes(self.layout, self.local_twin(unit)).total
+        keeps its optimizer state: :func:`model_unit_bytes`); with ``part``, of that part only (``weights``:
+        with the persistent buffers)."""
+        size = model_unit_bytes(self.layout, self.local_twin(unit))
+        return {None: size.total, "weights": size.weights + size.buffers, "optimizer": size.optimizer}[part]
 
     def snapshot_share_bytes(self, with_optimizer_state: bool = False, complete: bool = False) -> int:
         """What one rank's snapshot slot should hold at the current ``k_snapshot`` (``complete``: with every
@@ -597,29 +635,39 @@ class PECCheckpointer:
         Snapshot ownership spreads the dense units and ``k_snapshot`` experts per MoE layer over the ranks
         in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance. Under
         ZeRO each unit is snapshotted by its state owner: this rank's dense units and, per MoE layer, its
-        ``k_snapshot`` largest experts. ``with_optimizer_state``: before the optimizer's first step (no state
-        yet), count the state it will create (:func:`expected_state_bytes`).
+        ``k_snapshot`` largest experts. Under a ``pec_scope`` other than ``both`` the other experts' non-PEC part
+        is added. ``with_optimizer_state``: before the optimizer's first step (no state yet), count the state it
+        will create (:func:`expected_state_bytes`).
         """
-        def nbytes(unit: Unit) -> int:
+        rest = always_saved(self.cfg.pec_scope)
+
+        def nbytes(unit: Unit, part: str | None = None) -> int:
             size = self.layout.unit_bytes(self.local_twin(unit))
-            if with_optimizer_state and size.optimizer == 0:
-                return size.weights + expected_state_bytes(self.layout, self.local_twin(unit))
-            return size.total
+            state = size.optimizer
+            if with_optimizer_state and state == 0:
+                state = expected_state_bytes(self.layout, self.local_twin(unit))
+            weights = size.weights + size.buffers
+            return {None: weights + state, "weights": weights, "optimizer": state}[part]
 
         if self.state_owners is not None:
             mine = [u for u in self.layout.units if self.state_owners[u.key] == self.topology.rank]
             total = sum(nbytes(u) for u in mine if not isinstance(u, ExpertUnit))
             for layer, n in enumerate(self.layout.num_experts):
-                layer_units = [u for u in mine if isinstance(u, ExpertUnit) and u.layer == layer]
-                sizes = sorted((nbytes(u) for u in layer_units), reverse=True)
-                total += sum(sizes[: n if complete else self.dynamic_k.k_snapshot])
+                layer_units = sorted(
+                    (u for u in mine if isinstance(u, ExpertUnit) and u.layer == layer), key=nbytes, reverse=True
+                )
+                k = n if complete else self.dynamic_k.k_snapshot
+                total += sum(nbytes(u) for u in layer_units[:k])
+                total += sum(nbytes(u, rest) for u in layer_units[k:]) if rest is not None else 0
             return total
 
         dense = [nbytes(u) for u in self.layout.dense_units]
-        experts = [nbytes(ExpertUnit(layer, 0)) for layer in range(len(self.layout.num_experts))]
+        experts = [ExpertUnit(layer, 0) for layer in range(len(self.layout.num_experts))]
         per_layer = self.layout.num_experts if complete else [self.dynamic_k.k_snapshot] * len(experts)
-        total = sum(dense) + sum(k * nbytes for k, nbytes in zip(per_layer, experts))
-        return -(-total // self.topology.world_size) + max(dense + experts, default=0)
+        total = sum(dense) + sum(k * nbytes(unit) for k, unit in zip(per_layer, experts))
+        if rest is not None:
+            total += sum((n - k) * nbytes(unit, rest) for n, k, unit in zip(self.layout.num_experts, per_layer, experts))
+        return -(-total // self.topology.world_size) + max(dense + [nbytes(u) for u in experts], default=0)
 
     # ------------------------------------------------------------------- load
     def read_manifest(self) -> Manifest:
@@ -670,33 +718,49 @@ class PECCheckpointer:
     def _load_newest(self, manifest: Manifest) -> LoadReport:
         latest = manifest.latest
         self.load_state_dict(self.read_description(latest)["engine"])
-        sources = {unit: manifest.newest(unit.key, at_or_before=latest.step) for unit in self._all_units()}
-        missing = [u.key for u in self.layout.dense_units if sources[u] is not latest]
+        missing = [u.key for u in self.layout.dense_units if not latest.holds(u.key)]
         if missing:
             raise RuntimeError(f"checkpoint {latest.name} lacks dense units {missing[:5]}; it cannot be resumed")
-        stored = {u: r for u, r in sources.items() if r is not None}
+        sources = {
+            part_key(unit.key, part): manifest.newest(unit.key, at_or_before=latest.step, part=part)
+            for unit in self._all_units()
+            for part in PARTS
+        }
+        stored = {k: r for k, r in sources.items() if r is not None}
         self.prepare_for_load(stored, self.stored_specs(stored))
         self.load_from_storage(stored)
-        restored_from = [
-            [sources[ExpertUnit(layer, e)].step if sources[ExpertUnit(layer, e)] else NEVER for e in range(n)]
+        steps = {k: r.step if r is not None else NEVER for k, r in sources.items()}
+        return self.account_recovery(latest.step, self.stalest_parts(steps))
+
+    def stalest_parts(self, steps: Mapping[str, int]) -> list[list[int]]:
+        """Per MoE layer, the step of each expert's stalest part (``steps``: part key -> step it was restored from).
+
+        The expert's state is not its state of any step newer than that, so the tokens it processed since then
+        are its lost tokens (eq. 7), whichever part is stale: the paper's PLT counts the tokens of experts whose
+        state was not saved, and under ``pec_scope=optimizer`` (``weights``) an expert whose optimizer state
+        (weights) is stale has not kept what those tokens taught it.
+        """
+        return [
+            [min(steps[part_key(ExpertUnit(layer, e).key, part)] for part in PARTS) for e in range(n)]
             for layer, n in enumerate(self.layout.num_experts)
         ]
-        return self.account_recovery(latest.step, restored_from)
 
-    def prepare_for_load(self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]) -> None:
-        """Give the restored ``units`` exactly the optimizer state their sources hold (``specs``: the slot
-        entries' and DCP metadata's keys, shapes and dtypes), as tensors to load into; see
-        :meth:`Layout.reset_optimizer_state`. Call it once for every unit of a restore, before any load."""
+    def prepare_for_load(self, parts: Iterable[str], specs: Mapping[str, TensorSpec]) -> None:
+        """Give the units whose optimizer part is among the restored ``parts`` (part keys) exactly the optimizer
+        state their sources hold (``specs``: the slot entries' and DCP metadata's keys, shapes and dtypes), as
+        tensors to load into; see :meth:`Layout.reset_optimizer_state`. Call it once for every restore, before
+        any load."""
+        units = [parse_unit(k) for k in parts if split_part_key(k)[1] == "optimizer"]
         self.layout.reset_optimizer_state(units, specs)
 
-    def stored_specs(self, sources: Mapping[Unit, CheckpointRecord]) -> dict[str, TensorSpec]:
-        """Key -> (shape, dtype) of every tensor of the held units in ``sources``, from each checkpoint's DCP
-        metadata (an expert's slice of a stacked tensor as the slice)."""
+    def stored_specs(self, sources: Mapping[str, CheckpointRecord]) -> dict[str, TensorSpec]:
+        """Key -> (shape, dtype) of every tensor of the parts in ``sources`` (part key -> checkpoint), from each
+        checkpoint's DCP metadata (an expert's slice of a stacked tensor as the slice)."""
         specs: dict[str, TensorSpec] = {}
         for record in set(sources.values()):
-            held = {u.key for u in self.layout.units if sources.get(u) is record}
+            held = {k for k, r in sources.items() if r is record}
             for key, spec in self._stored_tensors(record).items():
-                if parse_unit(key).key in held:
+                if part_key_of(key) in held:
                     specs[key] = spec
         return specs
 
@@ -712,20 +776,22 @@ class PECCheckpointer:
             if isinstance(meta, TensorStorageMetadata)
         }
 
-    def load_from_storage(self, sources: Mapping[Unit, CheckpointRecord], skip: Collection[str] = ()) -> None:
-        """Load every held unit in ``sources`` from its checkpoint, one collective DCP load per checkpoint.
+    def load_from_storage(self, sources: Mapping[str, CheckpointRecord], skip: Collection[str] = ()) -> None:
+        """Load every held part in ``sources`` (part key -> checkpoint) from its checkpoint, one collective DCP
+        load per checkpoint.
 
         ``sources`` must be the same on every rank (it comes from the shared manifest): each rank loads the
-        units it holds, under whatever world size and EP degree wrote them. Optimizer state is loaded where
+        parts of the units it holds, under whatever world size and EP degree wrote them. Optimizer state is loaded where
         the checkpoint has it (a parameter saved without state has none to load); a weight or buffer it
         lacks is damage. Keys in ``skip`` are not loaded (a shared state another source provides).
         """
         for record in sorted(set(sources.values()), key=lambda r: r.step):
-            wanted = [u for u in self.layout.units if sources.get(u) is record]
+            held = {k for k, r in sources.items() if r is record}
+            wanted = [u for u in self.layout.units if any(part_key(u.key, p) in held for p in PARTS)]
             stored = self._stored_tensors(record)
             tensors = {
                 k: t for k, t in self.layout.tensors(wanted).items()
-                if (k in stored or "/optim/" not in k) and k not in skip
+                if part_key_of(k) in held and (k in stored or "/optim/" not in k) and k not in skip
             }
             try:
                 dcp.load(

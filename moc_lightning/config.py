@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moc_lightning.parts import SCOPES as PEC_SCOPES
 from moc_lightning.sharding import STRATEGIES as SHARDING_STRATEGIES
 
 SELECTION_POLICIES = ("sequential", "load_aware")
@@ -63,6 +64,12 @@ class CheckpointConfig:
     """Experts per MoE layer copied into each in-memory snapshot (1 <= k_snapshot <= N)."""
     k_persist: int = 1
     """Experts per MoE layer persisted to storage, chosen among the snapshot's (1 <= k_persist <= k_snapshot)."""
+    pec_scope: str = "both"
+    """Which part of an expert follows PEC (paper Figure 13a): ``both`` ("WO": weights and optimizer state of K
+    experts per MoE layer per checkpoint), ``optimizer`` ("O": every expert's weights every time, the optimizer
+    state of K) or ``weights`` ("W": every expert's optimizer state every time, the weights of K). Dense units
+    are always saved whole. A recovery takes each part from its newest surviving copy; an expert loses the
+    tokens it processed since its stalest part was saved (PLT, eq. 7)."""
     every_n_train_steps: int = 10
     """Snapshot interval in optimizer steps."""
     persist_every_n_snapshots: int = 2
@@ -111,6 +118,7 @@ class CheckpointConfig:
         _require_at_least("checkpoint.retention", self.retention, 1)
         if self.ranks_per_node is not None:
             _require_at_least("checkpoint.ranks_per_node", self.ranks_per_node, 1)
+        _require_choice("checkpoint.pec_scope", self.pec_scope, PEC_SCOPES)
         _require_choice("checkpoint.selection", self.selection, SELECTION_POLICIES)
         _require_choice("checkpoint.sharding", self.sharding, SHARDING_STRATEGIES)
         _require_choice("checkpoint.resume", self.resume, RESUME_MODES)

@@ -6,6 +6,12 @@ read. The newest stored version of a unit is the newest listed checkpoint that h
 the newest ``retention`` checkpoints and, beyond them, every checkpoint that still holds some unit's
 newest version, so it never removes the only stored version of a unit.
 
+Under ``checkpoint.pec_scope`` other than ``both`` a checkpoint also holds one part of the experts it does
+not hold whole (:mod:`moc_lightning.parts`), listed as part keys in ``parts``: the newest version of a part is
+the newest checkpoint holding the unit whole or that part, and retention keeps every part's newest version.
+A record without ``parts`` (every manifest written before the field, and every ``both`` one) holds whole
+units only.
+
 Pure data: (de)serialisation validates everything and raises :class:`ManifestError` on bad bytes. The JSON
 is sealed (:mod:`moc_lightning.sealed`): its CRC32C is checked before anything in it is believed.
 """
@@ -16,9 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from moc_lightning.sealed import SealError, seal, unseal
-
 from moc_lightning.lineage import Lineage
+from moc_lightning.parts import PARTS, part_key, split_part_key
+from moc_lightning.sealed import SealError, seal, unseal
 
 FORMAT_VERSION = 1
 
@@ -45,13 +51,24 @@ class CheckpointRecord:
     """Expert-parallel degree when it was written."""
     backend: str
     """Storage backend (``filesystem`` or ``tensorstore``)."""
+    parts: tuple[str, ...] = ()
+    """Part keys (``expert/L0/E3/weights``) of the units stored here as that part only (``pec_scope``)."""
 
-    def holds(self, unit_key: str) -> bool:
-        return unit_key in self._unit_set
+    def holds(self, unit_key: str, part: str | None = None) -> bool:
+        """Whether the unit is stored here whole or, with ``part``, whether that part of it is."""
+        return unit_key in self._unit_set or (part is not None and part_key(unit_key, part) in self._part_set)
+
+    def part_keys(self) -> set[str]:
+        """Every part stored here, whole units' both parts included."""
+        return {part_key(u, p) for u in self.units for p in PARTS} | set(self.parts)
 
     @cached_property
     def _unit_set(self) -> frozenset[str]:
         return frozenset(self.units)
+
+    @cached_property
+    def _part_set(self) -> frozenset[str]:
+        return frozenset(self.parts)
 
 
 @dataclass(frozen=True)
@@ -66,10 +83,13 @@ class Manifest:
     def latest(self) -> CheckpointRecord | None:
         return self.records[-1] if self.records else None
 
-    def newest(self, unit_key: str, at_or_before: int | None = None) -> CheckpointRecord | None:
-        """The newest checkpoint holding ``unit_key`` at or before step ``at_or_before`` (any step if ``None``)."""
+    def newest(
+        self, unit_key: str, at_or_before: int | None = None, part: str | None = None
+    ) -> CheckpointRecord | None:
+        """The newest checkpoint holding ``unit_key`` (whole, or the ``part`` of it) at or before step
+        ``at_or_before`` (any step if ``None``)."""
         for record in reversed(self.records):
-            if (at_or_before is None or record.step <= at_or_before) and record.holds(unit_key):
+            if (at_or_before is None or record.step <= at_or_before) and record.holds(unit_key, part):
                 return record
         return None
 
@@ -95,7 +115,7 @@ class Manifest:
         """This manifest with ``record`` replacing the latest checkpoint, which is of the same step and holds a
         subset of ``record``'s units (the complete final persist of a step that was persisted partially)."""
         latest = self.latest
-        if latest is None or latest.step != record.step or not set(latest.units) <= set(record.units):
+        if latest is None or latest.step != record.step or not latest.part_keys() <= record.part_keys():
             raise ValueError(f"checkpoint {record.name} does not supersede the latest checkpoint {latest}")
         return replace(self, records=self.records[:-1] + (record,))
 
@@ -114,8 +134,9 @@ class Manifest:
         if retention < 1:
             raise ValueError(f"checkpoint.retention must be >= 1, got {retention}")
         keep = {r.name for r in self.records[-retention:]}
-        newest_of_some_unit = {self.newest(unit).name for r in self.records for unit in r.units}
-        kept = tuple(r for r in self.records if r.name in keep or r.name in newest_of_some_unit)
+        parts = {split_part_key(key) for r in self.records for key in r.part_keys()}
+        newest_of_some_part = {self.newest(unit, part=part).name for unit, part in parts}
+        kept = tuple(r for r in self.records if r.name in keep or r.name in newest_of_some_part)
         removed = [r.name for r in self.records if r not in kept]
         return replace(self, records=kept), removed
 
@@ -124,7 +145,8 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this manifest (what :meth:`to_json` seals)."""
-        raw: dict[str, Any] = {"format": FORMAT_VERSION, "records": [asdict(r) for r in self.records]}
+        records = [{k: v for k, v in asdict(r).items() if k != "parts" or v} for r in self.records]
+        raw: dict[str, Any] = {"format": FORMAT_VERSION, "records": records}
         if self.lineage is not None:
             raw["lineage"] = self.lineage.to_json()
         return raw
@@ -169,6 +191,9 @@ def _record(raw: object) -> CheckpointRecord:
     units = raw.get("units")
     if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
         raise ManifestError("manifest record field 'units' must be a list of unit keys")
+    parts = raw.get("parts", [])
+    if not isinstance(parts, list) or not all(isinstance(p, str) and p.rpartition("/")[2] in PARTS for p in parts):
+        raise ManifestError(f"manifest record field 'parts' must be a list of part keys, got {parts!r:.80}")
     if raw["step"] < 0 or raw["world_size"] < 1 or raw["ep"] < 1 or "/" in raw["name"] or not raw["name"]:
         raise ManifestError(f"manifest record {raw['name']!r} has out-of-range fields")
     return CheckpointRecord(
@@ -179,4 +204,5 @@ def _record(raw: object) -> CheckpointRecord:
         world_size=raw["world_size"],
         ep=raw["ep"],
         backend=raw["backend"],
+        parts=tuple(parts),
     )

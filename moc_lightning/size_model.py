@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moc_lightning.layout import Layout, UnitBytes
+from moc_lightning.parts import always_saved
 from moc_lightning.units import ExpertUnit, Unit
 
 
@@ -48,11 +49,21 @@ class SizeModel:
         """Eq. 5: bytes of a checkpoint of every parameter."""
         return (self.p_ne + self.p_e) * (self.b_w + self.b_o) + self.buffers_ne + sum(self.buffers_e_per_layer)
 
-    def c_pec(self, k: int) -> float:
-        """Eq. 6: bytes of a checkpoint of all non-expert parameters and ``k`` experts per MoE layer."""
+    def c_pec(self, k: int, scope: str = "both") -> float:
+        """Eq. 6: bytes of a checkpoint of all non-expert parameters and ``k`` experts per MoE layer.
+
+        ``scope`` (``checkpoint.pec_scope``) is the part of an expert PEC applies to: the other part of every
+        expert is saved too. Eq. 6 per scope: dense units whole, every expert's non-PEC part, ``k`` experts'
+        PEC part (an expert's buffers go with its weights).
+        """
         saved_experts = sum(min(k, n) / n * p for n, p in zip(self.num_experts, self.p_e_per_layer))
         saved_buffers = sum(min(k, n) / n * b for n, b in zip(self.num_experts, self.buffers_e_per_layer))
-        return (self.p_ne + saved_experts) * (self.b_w + self.b_o) + self.buffers_ne + saved_buffers
+        every = always_saved(scope)
+        expert_weights = (self.p_e if every == "weights" else saved_experts) * self.b_w + (
+            sum(self.buffers_e_per_layer) if every == "weights" else saved_buffers
+        )
+        expert_state = (self.p_e if every == "optimizer" else saved_experts) * self.b_o
+        return self.p_ne * (self.b_w + self.b_o) + self.buffers_ne + expert_weights + expert_state
 
 
 def size_model(layout: Layout) -> SizeModel:

@@ -63,12 +63,15 @@ class SlotMeta:
     entries: Mapping[str, SlotEntry]
     extra: Mapping[str, Any]
     """Small JSON state of the engine at this step (ledger, selection, K)."""
+    parts: tuple[str, ...] = ()
+    """Part keys of the units held as one part only (``checkpoint.pec_scope``, :mod:`moc_lightning.parts`)."""
 
     def to_json(self) -> bytes:
         """Sealed JSON (:mod:`moc_lightning.sealed`): a damaged ``meta.json`` is a torn slot, never misread."""
         entries = {k: [e.offset, e.dtype, list(e.shape)] for k, e in self.entries.items()}
         return seal(
-            {"slot": self.slot, "step": self.step, "units": list(self.units), "entries": entries, "extra": self.extra}
+            {"slot": self.slot, "step": self.step, "units": list(self.units), "entries": entries, "extra": self.extra,
+             "parts": list(self.parts)}
         )
 
     @classmethod
@@ -82,6 +85,7 @@ class SlotMeta:
             units=tuple(raw["units"]),
             entries={k: SlotEntry(int(o), str(d), tuple(s)) for k, (o, d, s) in raw["entries"].items()},
             extra=raw["extra"],
+            parts=tuple(raw.get("parts", ())),
         )
 
 
@@ -240,11 +244,12 @@ class SnapshotStore:
         entries: Mapping[str, SlotEntry],
         extra: Mapping[str, Any],
         stream: torch.cuda.Stream | None = None,
+        parts: tuple[str, ...] = (),
     ) -> SlotMeta:
         """Commit a filled slot once its copy ``stream`` (if any) has finished."""
         if stream is not None:
             stream.synchronize()
-        meta = SlotMeta(slot=slot, step=step, units=units, entries=dict(entries), extra=dict(extra))
+        meta = SlotMeta(slot=slot, step=step, units=units, entries=dict(entries), extra=dict(extra), parts=parts)
         self.commit(meta)
         return meta
 

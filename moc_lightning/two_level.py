@@ -21,6 +21,10 @@ Snapshot ownership is at unit granularity: each unit is copied whole by one rank
 the sharding strategy, each expert by one of its replicas, alternating; under ZeRO, the rank that keeps the
 unit's optimizer state, the only one that can), so a lost node loses whole units and every other unit can
 still come from memory.
+
+Under ``checkpoint.pec_scope`` other than ``both`` (:mod:`moc_lightning.parts`) a snapshot and its persist also
+hold the non-PEC part of every expert they do not take whole, copied by the rank that would copy the expert
+whole; recovery takes each part of each unit from its newest surviving copy.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
 from moc_lightning.lineage import Lineage
 from moc_lightning.manifest import Manifest
+from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, split_part_key
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.layout import Layout, TensorSpec
@@ -85,7 +90,9 @@ class _PendingSnapshot:
 
     commit: Future[tuple[SlotMeta, float]]
     persist_units: tuple[Unit, ...] | None
-    """What its persist writes; ``None``: it is not persisted."""
+    """What its persist writes whole; ``None``: it is not persisted."""
+    persist_parts: tuple[str, ...]
+    """The part keys its persist writes besides (:meth:`PECCheckpointer.partial_parts`)."""
     taking_seconds: float
     """The training thread's time in :meth:`TwoLevelCheckpointer.snapshot`."""
     copy_seconds: float
@@ -100,7 +107,10 @@ class RecoveryReport:
     plt: float | None
     """PLT of this fault (eq. 7); ``None`` when it is unknown (no router counts: see :mod:`moc_lightning.routing`)."""
     sources: dict[str, dict[str, Any]]
-    """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int, "rank": slot owner or None}``."""
+    """Unit key -> ``{"level": memory_local|memory_peer|storage|none, "step": int, "rank": slot owner or None}``.
+    Under a ``pec_scope`` other than ``both`` an expert's entry also has ``"parts"``: ``{"weights": {...},
+    "optimizer": {...}}`` in the same form, and its own level, step and rank are those of its stalest part
+    (the step its lost tokens are counted from)."""
     recover_seconds: float
     k_changed: bool
     trainer_state: dict[str, Any] | None
@@ -209,12 +219,15 @@ class TwoLevelCheckpointer:
         selection = pec.select(index, persist, self._agreed_persists() if pec.needs_stored_steps(persist) else None)
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
-        owners = self._owners(units)
+        parts = pec.partial_parts(units)
+        owners = self._owners(units, parts)
         mine = [u for u in units if owners[u.key] == self.rank]
-        tensors = pec.layout.tensors(mine)
+        my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == self.rank)
+        tensors = pec.layout.tensors(mine) | pec.part_tensors(my_parts)
         extra = {"engine": pec.state_dict(), "owners": owners, "lineage": self.lineage.stamp() if self.lineage else None}
         slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
         persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
+        persist_parts = pec.partial_parts(persist_units) if persist_units is not None else ()
 
         def midway() -> None:
             self.faults.at("snapshot", step)
@@ -223,13 +236,14 @@ class TwoLevelCheckpointer:
         entries, stream = self.store.fill(slot, tensors, midway)
         filled = time.perf_counter()
         commit = self._copier.submit(
-            self._commit_snapshot, slot, step, tuple(u.key for u in mine), entries, extra, trainer_state, stream
+            self._commit_snapshot, slot, step, tuple(u.key for u in mine), my_parts, entries, extra, trainer_state,
+            stream,
         )
-        self._snapshot = _PendingSnapshot(commit, persist_units, filled - taking, filled - start)
+        self._snapshot = _PendingSnapshot(commit, persist_units, persist_parts, filled - taking, filled - start)
 
     def _commit_snapshot(
-        self, slot: int, step: int, units: tuple[str, ...], entries: Mapping[str, SlotEntry], extra: dict[str, Any],
-        trainer_state: Mapping[str, Any] | None, stream: torch.cuda.Stream | None,
+        self, slot: int, step: int, units: tuple[str, ...], parts: tuple[str, ...], entries: Mapping[str, SlotEntry],
+        extra: dict[str, Any], trainer_state: Mapping[str, Any] | None, stream: torch.cuda.Stream | None,
     ) -> tuple[SlotMeta, float]:
         """Commit the filled slot; returns it and the commit's own duration.
 
@@ -238,7 +252,7 @@ class TwoLevelCheckpointer:
         start = time.perf_counter()
         extra["trainer"] = encode_state(trainer_state)
         self.faults.at("slot_commit", step)
-        meta = self.store.finish(slot, step, units, entries, extra, stream)
+        meta = self.store.finish(slot, step, units, entries, extra, stream, parts)
         return meta, time.perf_counter() - start
 
     def wait_snapshot(self) -> None:
@@ -257,7 +271,7 @@ class TwoLevelCheckpointer:
         self.stats.snapshot_seconds.append(pending.copy_seconds + commit_seconds)
         self.stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
         if pending.persist_units is not None:
-            self._start_persist(meta, pending.persist_units)
+            self._start_persist(meta, pending.persist_units, pending.persist_parts)
 
     def _agreed_persists(self) -> list[SaveReport]:
         """The successful persists every rank has reaped (collective): a view of storage all ranks share,
@@ -276,24 +290,26 @@ class TwoLevelCheckpointer:
             dist.all_reduce(free, op=dist.ReduceOp.MIN)
         return bool(free.item())
 
-    def _owners(self, units: Sequence[Unit]) -> dict[str, int]:
-        """Which rank snapshots each unit (whole): pure, so every rank computes the same map.
+    def _owners(self, units: Sequence[Unit], parts: Sequence[str] = ()) -> dict[str, int]:
+        """Which rank snapshots each unit (whole) and the units of ``parts`` (that part): pure, so every rank
+        computes the same map. An expert's copier is the same whether it is taken whole or as a part.
 
         Cached per unit set: the sequential selection repeats every ceil(N/K) snapshots.
         """
-        key = tuple(u.key for u in units)
+        key = (*(u.key for u in units), *parts)
         if key not in self._owner_cache:
-            self._owner_cache[key] = self._plan_owners(units)
+            self._owner_cache[key] = self._plan_owners(units, parts)
         return self._owner_cache[key]
 
-    def _plan_owners(self, units: Sequence[Unit]) -> dict[str, int]:
+    def _plan_owners(self, units: Sequence[Unit], parts: Sequence[str]) -> dict[str, int]:
         pec = self.pec
+        sized = [(u, None) for u in units] + [(parse_unit(u), part) for u, part in map(split_part_key, parts)]
         if pec.state_owners is not None:  # ZeRO: only the state owner holds the unit whole
-            return {u.key: pec.state_owners[u.key] for u in units}
+            return {u.key: pec.state_owners[u.key] for u, _ in sized}
         world, ep = pec.topology.world_size, pec.topology.ep
         sharding_units = []
-        for unit in units:
-            nbytes = max(1, pec.unit_nbytes(unit))
+        for unit, part in sized:
+            nbytes = max(1, pec.unit_nbytes(unit, part))
             if isinstance(unit, ExpertUnit):
                 per_rank = pec.layout.num_experts[unit.layer] // ep
                 replicas = range(unit.expert // per_rank, world, ep)
@@ -308,19 +324,20 @@ class TwoLevelCheckpointer:
         return {u.key: ownership.shards_of(u.key)[0].rank for u in sharding_units}
 
     # ---------------------------------------------------------------- persist
-    def _start_persist(self, meta: SlotMeta, units: tuple[Unit, ...]) -> None:
+    def _start_persist(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> None:
         # The ranks agreed the previous persist was done, but it may have finished after the last reap:
         # account it now, or its result (and its slot becoming the recovery buffer) would be lost.
         self._reap_persist()
         self._persisting_slot = meta.slot
-        self._persist = self._persister.submit(self._persist_slot, meta, units)
+        self._persist = self._persister.submit(self._persist_slot, meta, units, parts)
 
-    def _persist_slot(self, meta: SlotMeta, units: tuple[Unit, ...]) -> SaveReport:
+    def _persist_slot(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> SaveReport:
         wanted = {u.key for u in units}
-        keys = [k for k in meta.entries if parse_unit(k).key in wanted]
+        keys = [k for k in meta.entries if parse_unit(k).key in wanted or part_key_of(k) in parts]
         return self.pec.persist(
             meta.step,
             units,
+            parts=parts,
             from_slot=self.store.read(meta, keys),
             engine_state=meta.extra["engine"],
             trainer_state=meta.extra["trainer"],
@@ -409,7 +426,9 @@ class TwoLevelCheckpointer:
                 metas.append(meta)
             else:  # another run's, another model's, or a timeline this lineage has left
                 self.store.invalidate(meta.slot)
-        inventory = _all_gather([SlotInventory(self.rank, m.slot, m.step, frozenset(m.units)) for m in metas])
+        inventory = _all_gather(
+            [SlotInventory(self.rank, m.slot, m.step, frozenset(m.units), frozenset(m.parts)) for m in metas]
+        )
         baseline = self._rollback_point()
         while True:
             try:
@@ -454,30 +473,21 @@ class TwoLevelCheckpointer:
         by_slot = {m.slot: m for m in metas}
         engine_state, trainer_state, trainer_state_rank = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
-        stored = {
-            parse_unit(key): manifest.by_name(src.checkpoint)
-            for key, src in plan.sources.items()
-            if src.level == "storage"
-        }
+        stored = {key: manifest.by_name(src.checkpoint) for key, src in plan.sources.items() if src.level == "storage"}
         in_memory = self._memory_specs(plan, by_slot)
-        restored = [parse_unit(key) for key, src in plan.sources.items() if src.level != "none"]
+        restored = [key for key, src in plan.sources.items() if src.level != "none"]
         pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
         stale = _stale_shared_state(pec.layout, restored, plan)
         self._restore_from_memory(plan, by_slot, in_memory, stale)
         self.faults.at("recovery", plan.resume_step)
         pec.load_from_storage(stored, stale)
-        restored_from = [
-            [plan.sources[ExpertUnit(layer, e).key].step for e in range(n)]
-            for layer, n in enumerate(pec.layout.num_experts)
-        ]
-        load = pec.account_recovery(plan.resume_step, restored_from)
+        steps = {key: src.step for key, src in plan.sources.items()}
+        load = pec.account_recovery(plan.resume_step, pec.stalest_parts(steps))
         self._drop_slots_after(plan.resume_step, metas)
         return RecoveryReport(
             resume_step=plan.resume_step,
             plt=load.plt,
-            sources={
-                k: {"level": s.describe(self.rank), "step": s.step, "rank": s.rank} for k, s in plan.sources.items()
-            },
+            sources=self._describe_sources(plan),
             recover_seconds=time.perf_counter() - start,
             k_changed=load.k_changed,
             trainer_state=trainer_state,
@@ -524,7 +534,7 @@ class TwoLevelCheckpointer:
         for key, source in plan.sources.items():
             if source.level == "memory" and source.rank == self.rank:
                 meta = by_slot[source.slot]
-                mine.update({k: e for k, e in meta.entries.items() if parse_unit(k).key == key})
+                mine.update({k: e for k, e in meta.entries.items() if part_key_of(k) == key})
         parts = [mine]
         if dist.is_initialized():
             parts = [None] * dist.get_world_size()
@@ -540,17 +550,21 @@ class TwoLevelCheckpointer:
     ) -> None:
         """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in.
 
-        ``specs`` (from :meth:`_memory_specs`) names each unit's tensors and their sizes on every rank alike.
-        Keys in ``skip`` are not copied in (a shared state another source provides).
+        One broadcast per unit and slot: both parts of a unit when they come from the same slot (always under
+        ``both``), each part apart when they do not. ``specs`` (from :meth:`_memory_specs`) names each part's
+        tensors and their sizes on every rank alike. Keys in ``skip`` are not copied in (a shared state another
+        source provides).
         """
         layout = self.pec.layout
-        by_unit: dict[str, list[str]] = {}
+        by_part: dict[str, list[str]] = {}
         for key in specs:
-            by_unit.setdefault(parse_unit(key).key, []).append(key)
-        for key in sorted(k for k, s in plan.sources.items() if s.level == "memory"):
-            source: Source = plan.sources[key]
-            unit = parse_unit(key)
-            keys = by_unit.get(key, [])
+            by_part.setdefault(part_key_of(key), []).append(key)
+        copies: dict[tuple[str, Source], list[str]] = {}
+        for key, source in sorted(plan.sources.items()):
+            if source.level == "memory":
+                copies.setdefault((split_part_key(key)[0], source), []).extend(by_part.get(key, []))
+        for (unit_key, source), keys in copies.items():
+            unit = parse_unit(unit_key)
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self.rank:
                 tensors = self.store.read(by_slot[source.slot], keys)
@@ -572,6 +586,24 @@ class TwoLevelCheckpointer:
                             continue  # under ZeRO another rank keeps this unit's optimizer state
                         live[k].copy_(piece.view(dtype).view(shape))
 
+    def _describe_sources(self, plan: RecoveryPlan) -> dict[str, dict[str, Any]]:
+        """The report's ``sources`` (see :attr:`RecoveryReport.sources`): per unit under ``both``, with its
+        experts' parts under the other scopes, and with the parts of any unit whose parts came from different
+        sources (a lineage written under another scope)."""
+        def describe(source: Source) -> dict[str, Any]:
+            return {"level": source.describe(self.rank), "step": source.step, "rank": source.rank}
+
+        by_part = always_saved(self.pec.cfg.pec_scope) is not None
+        described = {}
+        for unit in dict.fromkeys(split_part_key(key)[0] for key in plan.sources):
+            parts = {part: plan.sources[part_key(unit, part)] for part in PARTS}
+            if len(set(parts.values())) == 1 and not (by_part and unit.startswith("expert/")):
+                described[unit] = describe(parts["weights"])
+                continue
+            stalest = min(parts.values(), key=lambda s: s.step)
+            described[unit] = {**describe(stalest), "parts": {part: describe(s) for part, s in parts.items()}}
+        return described
+
     def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:
         """Snapshots newer than the resume step belong to a timeline that no longer exists."""
         for meta in metas:
@@ -581,14 +613,15 @@ class TwoLevelCheckpointer:
             dist.barrier()
 
 
-def _stale_shared_state(layout: Layout, restored: Sequence[Unit], plan: RecoveryPlan) -> set[str]:
+def _stale_shared_state(layout: Layout, restored: Sequence[str], plan: RecoveryPlan) -> set[str]:
     """Keys of a state the experts of a stacked parameter share (Adam's scalar ``step``) in every expert but
     the one restored from the newest step: the shared tensor takes the newest source's value, as the optimizer
     that kept stepping the whole parameter had it, whatever order the sources are copied in."""
     newest: dict[tuple[str, str], tuple[int, str]] = {}
-    shared = layout.shared_state_keys(u for u in restored if u in layout.slots)
+    units = {parse_unit(key) for key in restored if split_part_key(key)[1] == "optimizer"}
+    shared = layout.shared_state_keys(u for u in units if u in layout.slots)
     for key, owner in shared.items():
-        candidate = (plan.sources[parse_unit(key).key].step, key)
+        candidate = (plan.sources[part_key_of(key)].step, key)
         newest[owner] = max(newest.get(owner, candidate), candidate)
     return set(shared) - {key for _, key in newest.values()}
 

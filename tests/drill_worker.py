@@ -76,11 +76,13 @@ def main() -> None:
     parser.add_argument("--k-snapshot", type=int, default=4)
     parser.add_argument("--k-persist", type=int, default=1)
     parser.add_argument("--data-parallel", default="ddp")
+    parser.add_argument("--pec-scope", default="both")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = CheckpointConfig(
         k_snapshot=args.k_snapshot,
         k_persist=args.k_persist,
+        pec_scope=args.pec_scope,
         every_n_train_steps=args.every,
         persist_every_n_snapshots=args.persist_every,
         storage=StorageConfig(url=(args.out / "ckpt").resolve().as_uri()),

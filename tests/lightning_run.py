@@ -17,6 +17,7 @@ from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import build_layout
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.parts import part_of
 from moc_lightning.units import parse_unit
 
 MODEL = GPTMoEConfig(block_size=32)
@@ -102,10 +103,17 @@ def fit_or_crash(
         return recorder.moc
 
 
+def source_step(sources: dict[str, dict[str, Any]], key: str) -> int:
+    """The step the recovery reports for tensor ``key``: its part's (``pec_scope`` other than ``both``), else its
+    unit's."""
+    source = sources[parse_unit(key).key]
+    return source["parts"][part_of(key)]["step"] if "parts" in source else source["step"]
+
+
 def check_sources(first: Recorder, resumed: Recorder, sources: dict[str, dict[str, Any]]) -> None:
-    """Every restored tensor is bitwise its unit's version at the step the recovery reports for it."""
+    """Every restored tensor is bitwise its unit's (or part's) version at the step the recovery reports for it."""
     for key, tensor in resumed.start.items():
-        step = sources[parse_unit(key).key]["step"]
+        step = source_step(sources, key)
         if "/optim/" in key and step < 0:
             continue
         expected = first.start[key] if step < 0 else first.states[step][key]

@@ -116,6 +116,7 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.k_snapshot=2", "checkpoint.k_persist=3"], "checkpoint.k_persist=3 must be <= checkpoint.k_snapshot=2"),
         (["checkpoint.selection=random"], "checkpoint.selection='random' is not allowed; choose one of: sequential, load_aware"),
         (["checkpoint.sharding=zero"], "checkpoint.sharding='zero' is not allowed"),
+        (["checkpoint.pec_scope=WO"], "checkpoint.pec_scope='WO' is not allowed; choose one of: both, optimizer, weights"),
         (["checkpoint.storage.backend=s3"], "checkpoint.storage.backend='s3' is not allowed"),
         (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
         (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),

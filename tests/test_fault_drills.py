@@ -18,6 +18,7 @@ import torch
 
 from moc_lightning.ledger import NEVER
 from moc_lightning.manifest import Manifest
+from moc_lightning.parts import PARTS, part_of
 from moc_lightning.units import parse_unit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ the rank keeping its optimizer state; the capture holds each rank's own share of
 
 
 def launch_drill(
-    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp"
+    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both"
 ) -> subprocess.CompletedProcess[str]:
     """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
@@ -38,15 +39,18 @@ def launch_drill(
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
         "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
         "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY), "--data-parallel", data_parallel,
+        "--pec-scope", pec_scope,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
-def run_drill(out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp") -> list[dict]:
+def run_drill(
+    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both"
+) -> list[dict]:
     """Run the 4-rank job with the fault; return each rank's recovery report."""
-    launch_drill(out, fault, max_steps, data_parallel)
+    launch_drill(out, fault, max_steps, data_parallel, pec_scope)
     return [json.loads((out / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -56,21 +60,29 @@ def _capture(out: Path, rank: int, step: int) -> dict:
 
 def check_bitwise(out: Path, reports: list[dict]) -> None:
     """Every restored tensor equals the captured version of its source step on the same rank, and every unit
-    has exactly the tensors it had then on that rank (no optimizer state lost, none made up)."""
+    (each part of it, when the report gives its parts: ``pec_scope``) has exactly the tensors it had then on
+    that rank (no optimizer state lost, none made up)."""
     for rank, report in enumerate(reports):
         restored = torch.load(out / "capture" / f"restored_rank{rank}.pt", weights_only=False)
         assert restored["step"] == report["resume_step"]
         captures: dict[int, dict] = {}
         for unit, source in report["sources"].items():
-            step = source["step"]
-            if step == NEVER:
-                continue
-            captured = captures.setdefault(step, _capture(out, rank, step)["tensors"])
-            expected = {k: t for k, t in captured.items() if parse_unit(k).key == unit}
-            got = {k: t for k, t in restored["tensors"].items() if parse_unit(k).key == unit}
-            assert sorted(got) == sorted(expected), f"rank {rank}: {unit} holds other tensors than at step {step}"
-            for key, tensor in got.items():
-                assert torch.equal(tensor, expected[key]), f"rank {rank}: {key} differs from its version at step {step}"
+            for part, step in _part_steps(source).items():
+                if step == NEVER:
+                    continue
+                captured = captures.setdefault(step, _capture(out, rank, step)["tensors"])
+                expected = {k: t for k, t in captured.items() if parse_unit(k).key == unit and part_of(k) in part}
+                got = {k: t for k, t in restored["tensors"].items() if parse_unit(k).key == unit and part_of(k) in part}
+                assert sorted(got) == sorted(expected), f"rank {rank}: {unit} holds other tensors than at step {step}"
+                for key, tensor in got.items():
+                    assert torch.equal(tensor, expected[key]), f"rank {rank}: {key} differs from its version at {step}"
+
+
+def _part_steps(source: dict) -> dict[tuple[str, ...], int]:
+    """The parts of a unit (as a tuple of part names) -> the step they were restored from."""
+    if "parts" not in source:
+        return {PARTS: source["step"]}
+    return {(part, ): s["step"] for part, s in source["parts"].items()}
 
 
 def plt_by_hand(out: Path, resume: int, source_step: dict[str, int]) -> float:
@@ -126,6 +138,25 @@ def test_node_loss_takes_the_lost_nodes_units_from_storage(tmp_path: Path, data_
     storage_plt = plt_by_hand(tmp_path, resume, storage_only)
     print(f"node loss: two-level PLT {report['plt']:.4%} vs storage-only {storage_plt:.4%}")
     assert report["plt"] < storage_plt
+
+
+def test_node_loss_takes_each_part_from_its_newest_surviving_copy(tmp_path: Path) -> None:
+    """``checkpoint.pec_scope=optimizer``: every snapshot and persist holds every expert's weights, so an expert
+    comes back with weights of a newer step than its optimizer state, each from its own newest surviving copy
+    (memory on the surviving node, else storage), and loses the tokens since its stalest part. (``weights``
+    takes the same path with the parts swapped; ``tests/test_pec_scope.py`` runs every scope in one process.)"""
+    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", pec_scope="optimizer")
+    report = reports[2]
+    assert report["resume_step"] == 15
+    check_bitwise(tmp_path, reports)
+    assert report["plt"] == pytest.approx(plt_by_hand(tmp_path, 15, _steps(report)), rel=1e-9)
+    assert report["plt"] > 0
+    experts = {u: s for u, s in report["sources"].items() if u.startswith("expert/")}
+    assert all(s["step"] == min(p["step"] for p in s["parts"].values()) for s in experts.values())
+    mixed = [u for u, s in experts.items() if s["parts"]["optimizer"]["step"] < s["parts"]["weights"]["step"]]
+    assert mixed, "some expert's non-PEC part is newer than its PEC part"
+    levels = {p["level"] for s in experts.values() for p in s["parts"].values()}
+    assert "storage" in levels and levels & {"memory_local", "memory_peer"}, levels
 
 
 @MODES

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -99,3 +101,25 @@ def test_random_json_documents_raise_only_manifest_errors(doc: object) -> None:
     except ManifestError:
         return
     assert all(isinstance(r, CheckpointRecord) and r.step >= 0 for r in manifest.records)
+
+
+def test_records_without_parts_are_whole_units_and_write_no_parts_field() -> None:
+    """A manifest written before ``pec_scope`` (no ``parts``) loads as ``both``; a ``both`` one still writes none."""
+    m = _manifest()
+    assert all("parts" not in r for r in m.to_dict()["records"])
+    assert all(r.parts == () for r in Manifest.from_json(m.to_json()).records)
+    assert m.newest("expert/L0/E0", part="optimizer").step == 30
+
+
+def test_newest_version_and_retention_per_part() -> None:
+    """Under ``pec_scope=optimizer`` an expert's weights are stored at every persist, its optimizer state when
+    selected; a later switch to ``both`` stores neither part of E1. Retention keeps each part's newest copy."""
+    whole = _record(10, ("expert/L0/E0", "expert/L0/E1"))
+    weights_only = dataclasses.replace(_record(20, ("expert/L0/E0",)), parts=("expert/L0/E1/weights",))
+    m = Manifest((whole, weights_only, _record(30, ("expert/L0/E0",))))
+    assert Manifest.from_json(m.to_json()) == m
+    assert m.newest("expert/L0/E1", part="weights").step == 20
+    assert m.newest("expert/L0/E1", part="optimizer").step == 10
+    assert m.newest("expert/L0/E1").step == 10, "a whole version holds both parts"
+    kept, removed = m.retire(retention=1)
+    assert [r.step for r in kept.records] == [10, 20, 30] and removed == []

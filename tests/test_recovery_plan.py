@@ -31,12 +31,12 @@ def test_memory_newer_than_storage_wins() -> None:
     ]
     plan = plan_recovery(DENSE, EXPERTS, slots, manifest)
     assert plan.resume_step == 20
-    assert plan.sources["dense/a"] == Source("memory", 20, rank=0, slot=1)
-    assert plan.sources["dense/b"] == Source("memory", 20, rank=1, slot=1)
-    assert plan.sources["expert/L0/E0"] == Source("memory", 20, rank=1, slot=1)
-    assert plan.sources["expert/L0/E1"] == Source("memory", 10, rank=0, slot=0)
-    assert plan.sources["expert/L0/E3"].step == 20
-    assert plan.sources["dense/a"].describe(0) == "memory_local" and plan.sources["dense/a"].describe(1) == "memory_peer"
+    assert plan.unit_source("dense/a") == Source("memory", 20, rank=0, slot=1)
+    assert plan.unit_source("dense/b") == Source("memory", 20, rank=1, slot=1)
+    assert plan.unit_source("expert/L0/E0") == Source("memory", 20, rank=1, slot=1)
+    assert plan.unit_source("expert/L0/E1") == Source("memory", 10, rank=0, slot=0)
+    assert plan.unit_source("expert/L0/E3").step == 20
+    assert plan.unit_source("dense/a").describe(0) == "memory_local" and plan.unit_source("dense/a").describe(1) == "memory_peer"
 
 
 def test_lost_node_makes_dense_fall_back_to_the_persisted_step() -> None:
@@ -45,13 +45,26 @@ def test_lost_node_makes_dense_fall_back_to_the_persisted_step() -> None:
     slots = [_slot(0, 0, 10, ["dense/a", "expert/L0/E1"]), _slot(0, 1, 20, ["dense/a", "expert/L0/E3"])]
     plan = plan_recovery(DENSE, EXPERTS, slots, manifest)
     assert plan.resume_step == 10
-    assert plan.sources["dense/a"].level == "memory" and plan.sources["dense/b"] == Source(
+    assert plan.unit_source("dense/a").level == "memory" and plan.unit_source("dense/b") == Source(
         "storage", 10, checkpoint="step_10"
     )
-    assert plan.sources["expert/L0/E1"] == Source("memory", 10, rank=0, slot=0), "newer than storage's (none)"
-    assert plan.sources["expert/L0/E3"] == Source("none", NEVER), "its only version is after the resume step"
-    assert plan.sources["expert/L0/E0"].level == "storage"
+    assert plan.unit_source("expert/L0/E1") == Source("memory", 10, rank=0, slot=0), "newer than storage's (none)"
+    assert plan.unit_source("expert/L0/E3") == Source("none", NEVER), "its only version is after the resume step"
+    assert plan.unit_source("expert/L0/E0").level == "storage"
 
 
 def test_nothing_recoverable() -> None:
     assert plan_recovery(DENSE, EXPERTS, [_slot(0, 0, 5, ["dense/a"])], Manifest()) is None
+
+
+def test_each_part_comes_from_the_newest_copy_of_that_part() -> None:
+    """``pec_scope=optimizer``: E1's weights are in every checkpoint and slot, its optimizer state only where E1
+    was taken whole (the persist of step 10); a slot of step 20 lost with its node held it whole."""
+    whole = CheckpointRecord("step_10", 10, (*DENSE, "expert/L0/E1"), "adaptive", 2, 2, "filesystem")
+    weights = CheckpointRecord("step_20", 20, tuple(DENSE), "adaptive", 2, 2, "filesystem", parts=("expert/L0/E1/weights",))
+    slots = [SlotInventory(0, 0, 30, frozenset(DENSE), frozenset({"expert/L0/E1/weights"}))]
+    plan = plan_recovery(DENSE, ["expert/L0/E1"], slots, Manifest((whole, weights)))
+    assert plan.resume_step == 30
+    assert plan.sources["expert/L0/E1/weights"] == Source("memory", 30, rank=0, slot=0)
+    assert plan.sources["expert/L0/E1/optimizer"] == Source("storage", 10, checkpoint="step_10")
+    assert plan.unit_source("dense/a") == Source("memory", 30, rank=0, slot=0)

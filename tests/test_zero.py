@@ -37,7 +37,8 @@ def _optimizer(model: GPTMoE, cls: type[torch.optim.AdamW], **kw: object) -> tor
 
 def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool = True, url: str | None = None) -> dict:
     """STEPS steps on this rank's share of each batch; dense gradients averaged as DDP would. ``zero=False``:
-    torch's AdamW on every rank, as under DDP. With ``url``, then one K=1 persist there (:func:`_persist`)."""
+    torch's AdamW on every rank, as under DDP. With ``url``, then one K=1 persist there (:func:`_persist`),
+    and one under each partial ``pec_scope`` beside it (``<url>_<scope>``)."""
     topology = ExpertParallelTopology.from_process_group(ep)
     model = GPTMoE(CFG, topology, seed=0).to(dtype)
     if zero:
@@ -61,14 +62,21 @@ def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool =
         "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
         "state": {names[p]: {k: (v.dtype, tuple(v.shape)) for k, v in s.items()} for p, s in optimizer.state.items()},
         **(_persist(model, optimizer, url) if url else {}),
+        **({"scopes": {s: _persist(model, optimizer, f"{url}_{s}", s) for s in PARTIAL_SCOPES}} if url else {}),
     }
 
 
-def _persist(model: GPTMoE, optimizer: torch.optim.Optimizer, url: str) -> dict:
-    """One K=1 persist: the bytes this rank wrote, the bytes of the units it keeps the state of, and eq. 6."""
+PARTIAL_SCOPES = ("optimizer", "weights")
+"""``checkpoint.pec_scope`` values besides ``both``, whose K=1 persists :func:`_train` also writes."""
+
+
+def _persist(model: GPTMoE, optimizer: torch.optim.Optimizer, url: str, scope: str = "both") -> dict:
+    """One K=1 persist under ``pec_scope=scope``: the bytes this rank wrote, the bytes of the units it keeps the
+    state of, and eq. 6."""
     layout = build_layout(model, optimizer, expert_parallel=model.topology.ep)
     engine = PECCheckpointer(
-        every_step_config(1, 1), layout, model.topology, make_storage("filesystem", url), process_group=None
+        every_step_config(1, 1, pec_scope=scope), layout, model.topology, make_storage("filesystem", url),
+        process_group=None,
     )
     engine.record_tokens(model.moe_layers())
     report = engine.checkpoint(STEPS)
@@ -77,7 +85,7 @@ def _persist(model: GPTMoE, optimizer: torch.optim.Optimizer, url: str) -> dict:
     return {
         "written": report.bytes_written,
         "kept": sum(layout.unit_bytes(u).total for u in units),
-        "c_pec": engine.size_model().c_pec(1),
+        "c_pec": engine.size_model().c_pec(1, scope),
         "expected": report.expected_bytes,
     }
 
@@ -171,6 +179,20 @@ def test_a_k1_persist_writes_each_ranks_kept_units_and_eq6_over_ranks(four_ranks
     total = sum(run["written"] for run in runs)
     c_pec = runs[0]["c_pec"]
     print(f"ZeRO-2 bf16 K=1 persist: {[r['written'] for r in runs]} bytes per rank, {total} in all; eq. 6 {c_pec:.0f}")
+    assert total == pytest.approx(c_pec, rel=0.01)
+    assert all(run["c_pec"] == c_pec and run["expected"] == total for run in runs), "every rank sees the same eq. 6"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", PARTIAL_SCOPES)
+def test_a_k1_persist_under_each_pec_scope_matches_its_eq6_over_ranks(four_ranks: list[dict], scope: str) -> None:
+    """``pec_scope=optimizer``/``weights`` in the paper's setting (ZeRO-2, bf16 + fp32 state): each rank writes
+    what it keeps the state of, every expert's non-PEC part included; summed over ranks, eq. 6 of the scope."""
+    runs = [r["zero_bf16"]["scopes"][scope] for r in four_ranks]
+    total = sum(run["written"] for run in runs)
+    c_pec = runs[0]["c_pec"]
+    print(f"ZeRO-2 bf16 K=1 pec_scope={scope}: {[r['written'] for r in runs]} bytes per rank, {total} in all; "
+          f"eq. 6 {c_pec:.0f}")
     assert total == pytest.approx(c_pec, rel=0.01)
     assert all(run["c_pec"] == c_pec and run["expected"] == total for run in runs), "every rank sees the same eq. 6"
 
