@@ -64,6 +64,9 @@ from moc_lightning.layout import Layout, build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.replay_driver import (
+    WINDOW_OBJECT, ReplayReport, WindowCapture, WindowLog, check_supported, check_trainer, load_window, replay_window,
+)
 from moc_lightning.routing import TokenSource, token_source, unknown_message
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.start import agreed_manifest, begin_lineage
@@ -96,6 +99,11 @@ class MoCCheckpoint(Checkpoint):
         self.tokens: TokenSource | None = None
         """Where each step's router counts come from (set with the engine)."""
         self._said_unknown = False
+        self.capture: WindowCapture | None = None
+        """``mode=replay``: this fit's window captures."""
+        self._to_replay: WindowLog | None = None
+        self.replay_report: ReplayReport | None = None
+        """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
 
     # ------------------------------------------------------------ resuming
     def resume_target(self, default_root_dir: str | Path | None = None) -> str | None:
@@ -138,6 +146,8 @@ class MoCCheckpoint(Checkpoint):
         if not isinstance(trainer.strategy.checkpoint_io, _MoCCheckpointIO):
             trainer.strategy.checkpoint_io = _MoCCheckpointIO(trainer.strategy.checkpoint_io, self)
         if stage == "fit":
+            if self.config.mode == "replay":
+                check_supported(trainer.world_size, trainer.precision)
             resuming = trainer.strategy.checkpoint_io.is_moc(trainer.ckpt_path)
             if resuming and self.config.resume == "never":
                 raise ValueError(
@@ -228,6 +238,8 @@ class MoCCheckpoint(Checkpoint):
         if manifest.lineage is None:
             return self._fresh_checkpoint(module, f"no MoC manifest under {self.config.storage.url}")
         Lineage(manifest.lineage.run_id, fingerprint).check_same_run(manifest.lineage, self.config.storage.url)
+        if self.config.mode == "replay":
+            return self._restore_window(module, optimizer, manifest)
         report = engine.recover(manifest)
         if report is None:
             return self._fresh_checkpoint(module, "no consistent state of this run survives in memory or storage")
@@ -236,6 +248,13 @@ class MoCCheckpoint(Checkpoint):
         checkpoint = dict(report.trainer_state or {})
         if report.trainer_state_rank not in (None, self.engine.rank):  # another rank's stands in for a lost one
             checkpoint[trainer_state.RNG_KEY] = trainer_state.derived_rng_states(report.resume_step, self.engine.rank)
+        return self._checkpoint_from(checkpoint, module, optimizer)
+
+    def _checkpoint_from(
+        self, checkpoint: dict[str, Any], module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """The checkpoint dict Lightning restores from: a captured trainer state with the module's and the
+        optimizer's tensors as they are now (MoC has put the recovered ones there) and the engine's state."""
         checkpoint["state_dict"] = module.state_dict()
         optimizer_state = optimizer.state_dict()
         saved = checkpoint.get("optimizer_states") or [{}]
@@ -243,6 +262,21 @@ class MoCCheckpoint(Checkpoint):
         checkpoint["optimizer_states"] = [optimizer_state]
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.engine.pec.state_dict()
         return checkpoint
+
+    def _restore_window(self, module: L.LightningModule, optimizer: torch.optim.Optimizer, manifest: Any) -> dict[str, Any]:
+        """``mode=replay``: resume at the end of the newest complete window in storage. Its trainer state goes to
+        Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
+        engine = self.engine
+        log = load_window(engine.pec.storage, manifest.lineage)
+        if log is None:
+            return self._fresh_checkpoint(module, f"no complete replay window of this run in {WINDOW_OBJECT}")
+        engine.store.clear()  # PEC's slots play no part in replay mode
+        resumed = manifest.lineage.resumed_at(log.end_step)
+        engine.pec.commit_lineage(manifest.with_lineage(resumed))
+        engine.lineage = resumed
+        engine.pec.base_on(manifest)
+        self._to_replay = log
+        return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 
     def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
         """What ``validate``/``test``/``predict`` with the storage URL restore: the newest committed weights,
@@ -293,6 +327,9 @@ class MoCCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------- training
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.config.mode == "replay":
+            check_trainer(trainer, pl_module)
+            self.capture = WindowCapture(self.config.replay.window)
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         if self.engine.lineage is None:  # not resumed: this run begins its own lineage
             reason = (
@@ -304,6 +341,12 @@ class MoCCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         self._slots_sized = False
         self._persists_logged = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.capture is not None:
+            self.capture.begin(trainer.global_step, batch, batch_idx)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -318,12 +361,16 @@ class MoCCheckpoint(Checkpoint):
         if not self._slots_sized:
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
-        snapshot_due = step != self._last_step and step % self.config.every_n_train_steps == 0
+        snapshot_due = (
+            self.capture is None and step != self._last_step and step % self.config.every_n_train_steps == 0
+        )
         if snapshot_due or 0 < trainer.max_steps <= step or trainer.should_stop:
             self._step_state = trainer_state.capture(trainer, self.state_key)
         if snapshot_due:
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
+        if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
+            engine.pec.storage.put(WINDOW_OBJECT, window.to_bytes(engine.lineage))  # one process (check_supported)
         engine.poll_persist()
         self._log_persists(trainer)
         engine.faults.at("train", step)
@@ -455,12 +502,28 @@ class MoCCheckpoint(Checkpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """This rank's RNG streams as they were after the resume step, set just before the next step runs:
         Lightning's set-up after loading (the train loader's iterator, ...) would otherwise draw from them."""
+        if self._to_replay is not None:
+            self._replay(trainer, pl_module)
         if self._rng_to_restore is not None:
             _set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
         if not self._warned_not_resumable:
             self._warned_not_resumable = True
             trainer_state.warn_if_not_resumable(trainer)
+
+    def _replay(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """``mode=replay``: recompute the restored window before the first new step (:mod:`replay_driver`)."""
+        log, self._to_replay = self._to_replay, None
+        report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log)
+        if self.tokens is not None:
+            self.tokens.take()  # the replay's routing was counted in the faulty run already
+        metrics = {"moc/replay_iterations": float(report.replay_iterations), "moc/replay_seconds": report.replay_seconds}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        if self.engine.rank == 0:
+            print(f"[moc_lightning] replayed {report.replay_iterations} iterations of the window from step "
+                  f"{report.window_start} in {report.replay_seconds:.2f}s; every unit is at its fault-free state of "
+                  f"step {report.resume_step} (PLT 0)")
 
 
 SHARDED_NOT_SUPPORTED = (

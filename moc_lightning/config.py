@@ -15,6 +15,7 @@ from moc_lightning.sharding import STRATEGIES as SHARDING_STRATEGIES
 SELECTION_POLICIES = ("sequential", "load_aware")
 STORAGE_BACKENDS = ("filesystem", "tensorstore")
 RESUME_MODES = ("auto", "never")
+MODES = ("pec", "replay")
 
 
 def _require_choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -55,11 +56,31 @@ class DynamicKConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """Replay mode's window (``checkpoint.mode=replay``, :mod:`moc_lightning.replay`)."""
+
+    window: int = 4
+    """W, the iterations of a window: each unit's full state is captured once in it, and a recovery replays up to
+    W-1 iterations. Larger W copies less per iteration and replays more; 1 captures every unit every iteration."""
+
+    def __post_init__(self) -> None:
+        _require_at_least("checkpoint.replay.window", self.window, 1)
+
+
+@dataclass
 class CheckpointConfig:
     """Partial Experts Checkpointing at two levels: in-memory snapshots and persists to storage."""
 
     enabled: bool = True
     """Whether the training recipe adds the MoC checkpoint callback."""
+    mode: str = "pec"
+    """``pec``: Partial Experts Checkpointing (a recovery loses the tokens of the experts it sends back to older
+    versions, PLT). ``replay``: every iteration captures the full state of a rotating share of the units and the
+    weights of the rest, and a recovery replays the newest complete window through the module's own
+    ``training_step``, so every unit returns to its fault-free state (no lost tokens). This slice of replay runs
+    one process at precision ``32-true`` (see :mod:`moc_lightning.replay_driver`)."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """Replay mode's settings (read only with ``mode=replay``)."""
     k_snapshot: int = 2
     """Experts per MoE layer copied into each in-memory snapshot (1 <= k_snapshot <= N)."""
     k_persist: int = 1
@@ -122,6 +143,7 @@ class CheckpointConfig:
         _require_choice("checkpoint.selection", self.selection, SELECTION_POLICIES)
         _require_choice("checkpoint.sharding", self.sharding, SHARDING_STRATEGIES)
         _require_choice("checkpoint.resume", self.resume, RESUME_MODES)
+        _require_choice("checkpoint.mode", self.mode, MODES)
 
     def validate_for(self, num_experts: int) -> None:
         """Checks that need the model: K can be at most the number of experts per MoE layer."""

@@ -1,0 +1,257 @@
+"""Replay mode inside Lightning (``checkpoint.mode=replay``): capture a window every iteration of a fit, keep
+the newest complete one in storage, and on resume replay it through the module's own ``training_step``.
+
+What a window holds besides :class:`~moc_lightning.replay.WindowRecord`'s tensors, so that a new process can
+repeat its iterations exactly: each iteration's batch (the tensors Lightning handed to ``training_step``, kept
+as they are: a token batch is tiny beside the weights, and it spares seeking the loader back) and this rank's
+RNG streams as the iteration began; the LR schedulers' state and the optimizer's hyperparameters after the
+window's first iteration (those its second one used); and the trainer state after its last iteration
+(:mod:`moc_lightning.trainer_state`: loops, the train loader's position, RNG), which Lightning resumes from.
+
+Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a
+window completes it is written whole to storage (one object, ``replay_window.pt``, replaced atomically) on the
+training thread: the simplest path that survives the process and the node, at the price of a synchronous write
+of a full state plus the logged weights every W iterations. Writing it through the shared-memory slots and the
+background persist, as PEC's snapshots go, is the next step (issue 14).
+
+A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``,
+``on_before_backward``, ``backward``, ``on_after_backward``, ``on_before_optimizer_step``, then
+``configure_gradient_clipping`` as configured on the Trainer, the optimizer step and the step-interval LR
+schedulers) with the :class:`~moc_lightning.replay.Replay` hooks around it; callbacks' hooks are not called
+(the iterations ran in the faulty run already), nor is ``self.log`` recorded.
+
+This slice supports one process at ``32-true`` precision (:func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+from moc_lightning import trainer_state
+from moc_lightning.layout import Layout
+from moc_lightning.lineage import Lineage
+from moc_lightning.replay import Replay, WindowRecord, window_schedule
+from moc_lightning.storage import CheckpointStorage
+from moc_lightning.units import parse_unit
+
+WINDOW_OBJECT = "replay_window.pt"
+"""The storage object holding the newest complete window."""
+
+SUPPORTED = (
+    "checkpoint.mode=replay supports, so far, one process (trainer devices=1, num_nodes=1) at precision 32-true, "
+    "automatic optimization with one torch.optim optimizer, accumulate_grad_batches=1, LR schedulers stepped "
+    "every step, and a module that keeps Lightning's optimizer_step, optimizer_zero_grad and backward; "
+    "use checkpoint.mode=pec otherwise"
+)
+
+
+def check_supported(world_size: int, precision: str) -> None:
+    """Refuse what this slice of replay mode does not support yet, before training (the recipe and the callback)."""
+    if world_size != 1:
+        raise ValueError(f"checkpoint.mode=replay with {world_size} processes: {SUPPORTED}")
+    if str(precision) != "32-true":
+        raise ValueError(f"checkpoint.mode=replay with trainer.precision={precision!r}: {SUPPORTED}")
+
+
+def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
+    """:func:`check_supported`, and what a replayed iteration must repeat exactly: Lightning's own optimization
+    loop, one optimizer, schedulers stepped once per step."""
+    check_supported(trainer.world_size, trainer.precision)
+    problems = []
+    if trainer.accumulate_grad_batches != 1:
+        problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
+    if not module.automatic_optimization:
+        problems.append("manual optimization")
+    for hook in ("optimizer_step", "optimizer_zero_grad", "backward"):
+        if getattr(type(module), hook) is not getattr(L.LightningModule, hook):
+            problems.append(f"{type(module).__name__}.{hook} overridden")
+    if len(trainer.optimizers) != 1:
+        problems.append(f"{len(trainer.optimizers)} optimizers")
+    elif not type(trainer.optimizers[0]).__module__.startswith("torch.optim"):
+        problems.append(f"optimizer {type(trainer.optimizers[0]).__name__} (not a torch.optim one)")
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
+            problems.append(f"LR scheduler {type(config.scheduler).__name__} (interval={config.interval}, "
+                            f"frequency={config.frequency})")
+    if problems:
+        raise ValueError(f"checkpoint.mode=replay cannot replay this fit ({'; '.join(problems)}): {SUPPORTED}")
+
+
+@dataclass
+class Iteration:
+    """What an iteration began with: the batch ``training_step`` got, its index, this rank's RNG streams."""
+
+    batch: Any
+    batch_idx: int
+    rng: dict[str, Any]
+
+
+@dataclass
+class WindowLog:
+    """A window's captures (:class:`WindowRecord`) and what replaying them through Lightning needs."""
+
+    record: WindowRecord
+    start_step: int = 0
+    """The global step before the window's first iteration."""
+    iterations: list[Iteration] = field(default_factory=list)
+    """Per offset, what the iteration began with."""
+    schedulers: list[dict[str, Any]] = field(default_factory=list)
+    """LR schedulers' ``state_dict`` after the window's first iteration."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """The optimizer's hyperparameters (``lr``, ...) after the window's first iteration."""
+    trainer_state: dict[str, Any] | None = None
+    """The trainer state after the window's last iteration, which Lightning resumes from."""
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.record.window
+
+    def to_bytes(self, lineage: Lineage | None) -> bytes:
+        record = self.record
+        payload = {
+            "lineage": lineage.stamp() if lineage is not None else None,
+            "window": record.window,
+            "schedule": {unit.key: t for unit, t in record.schedule.items()},
+            "full": {unit.key: state for unit, state in record.full.items()},
+            "logged": record.logged,
+            **{name: getattr(self, name) for name in ("start_step", "schedulers", "param_groups", "trainer_state")},
+            "iterations": [asdict(it) for it in self.iterations],
+        }
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> tuple[WindowLog, dict[str, Any] | None]:
+        """The window and the lineage stamp it was written under."""
+        payload = torch.load(io.BytesIO(data), weights_only=False)  # written by this run's lineage (checked by the caller)
+        record = WindowRecord({parse_unit(k): t for k, t in payload["schedule"].items()}, payload["window"])
+        record.full = {parse_unit(k): state for k, state in payload["full"].items()}
+        record.logged = payload["logged"]
+        log = cls(
+            record, payload["start_step"], [Iteration(**it) for it in payload["iterations"]],
+            payload["schedulers"], payload["param_groups"], payload["trainer_state"],
+        )
+        return log, payload["lineage"]
+
+
+class WindowCapture:
+    """Captures every iteration into two alternating :class:`WindowLog` and hands each completed one to storage."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.logs: list[WindowLog | None] = [None, None]
+        self.complete: WindowLog | None = None
+        """The newest complete window."""
+        self._begun: tuple[int, Iteration] | None = None
+
+    def begin(self, step: int, batch: Any, batch_idx: int) -> None:
+        """At the batch start: the iteration's batch and RNG, before anything in the step draws from it."""
+        batch = apply_to_collection(batch, torch.Tensor, lambda t: t.detach().clone())
+        self._begun = (step, Iteration(batch, batch_idx, _collect_rng_states(include_cuda=torch.cuda.is_available())))
+
+    def end(self, trainer: L.Trainer, layout: Layout, own_key: str) -> WindowLog | None:
+        """At the batch end (after the optimizer step and the schedulers): capture the offset; returns the window
+        when this iteration completed it. A window whose first iteration this process did not see is skipped."""
+        if self._begun is None:
+            return None
+        step, iteration = self._begun
+        self._begun = None
+        k, t = divmod(step, self.window)
+        log = self.logs[k % 2]
+        if t == 0:
+            if log is None:
+                sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}  # optimizer state exists by now
+                log = self.logs[k % 2] = WindowLog(WindowRecord(window_schedule(layout.units, self.window, sizes), self.window))
+            log.start_step, log.iterations, log.trainer_state = step, [], None
+            log.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+            log.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizers[0].param_groups]
+        elif log is None or log.start_step != step - t or log.record.captured != t:
+            return None
+        log.record.capture(layout, t)
+        log.iterations.append(iteration)
+        if t < self.window - 1:
+            return None
+        log.trainer_state = trainer_state.capture(trainer, own_key)
+        self.complete = log
+        return log
+
+
+def load_window(storage: CheckpointStorage, lineage: Lineage) -> WindowLog | None:
+    """The newest complete window in storage, if ``lineage`` (its current timeline) wrote it."""
+    data = storage.get(WINDOW_OBJECT)
+    if data is None:
+        return None
+    log, stamp = WindowLog.from_bytes(data)
+    return log if lineage.admits(stamp, log.end_step) else None
+
+
+@dataclass
+class ReplayReport:
+    """What a resume under replay mode did."""
+
+    window_start: int
+    """Global step before the replayed window's first iteration."""
+    resume_step: int
+    """Global step training continues from (the window's end)."""
+    replay_iterations: int
+    """Iterations recomputed through ``training_step`` (W-1: the first one's state is restored directly)."""
+    replay_seconds: float
+    """Wall time of the replay."""
+    plt: float = 0.0
+    """Proportion of lost tokens: none, every unit is back at its fault-free state after the window."""
+
+
+def replay_window(trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog) -> ReplayReport:
+    """Bring ``layout``'s model and optimizer to their state after ``log``'s window, by replaying it (module
+    docstring); the LR schedulers and the optimizer's hyperparameters end where the window left them."""
+    optimizer = trainer.optimizers[0]
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    for group, saved in zip(optimizer.param_groups, log.param_groups):
+        group.update(saved)
+    for scheduler, state in zip(schedulers, log.schedulers):
+        scheduler.load_state_dict(state)
+    run = Replay(log.record, layout)
+    start = time.perf_counter()
+    with _logging_off(module), torch.enable_grad():
+        for i in run.iterations:
+            run.before_forward(i)
+            iteration = log.iterations[i]
+            _set_rng_states(iteration.rng)
+            output = module.training_step(iteration.batch, iteration.batch_idx)
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            module.on_before_backward(loss)
+            loss.backward()
+            module.on_after_backward()
+            module.on_before_optimizer_step(optimizer)
+            module.configure_gradient_clipping(
+                optimizer, gradient_clip_val=trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            )
+            run.before_optimizer_step(i)
+            optimizer.step()
+            for scheduler in schedulers:
+                scheduler.step()
+        run.finish()
+    return ReplayReport(log.start_step, log.end_step, len(run.iterations), time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _logging_off(module: L.LightningModule) -> Iterator[None]:
+    """``self.log``/``log_dict`` do nothing while the replay runs: those iterations logged in the faulty run, and
+    Lightning's result collection is not set up for a training step here."""
+    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict

@@ -1,0 +1,77 @@
+"""``checkpoint.mode=replay`` in a Lightning fit (one process): after a crash at a random step, the resume
+replays the newest complete window through the module's own ``training_step`` and the run ends bitwise on
+the uninterrupted run's state; ``mode=pec`` under the same fault does not."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_run import Recorder, fit, fit_or_crash, moc_config
+
+from moc_lightning.config import CheckpointConfig, ReplayConfig
+
+MAX_STEPS = 12
+WINDOW = 3
+CLIP = 0.05
+"""Small enough that Lightning's gradient clipping (the module's ``configure_gradient_clipping``) acts."""
+
+
+def _crash_step() -> int:
+    """A seeded random step after the first window is complete (``MOC_REPLAY_SEED`` picks another)."""
+    seed = int(os.environ.get("MOC_REPLAY_SEED", "14"))
+    step = random.Random(seed).randrange(WINDOW + 1, MAX_STEPS)
+    print(f"seed {seed}: crash after step {step}")
+    return step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    recorder = Recorder(at=(MAX_STEPS,))
+    fit(root, _config(root, "replay"), MAX_STEPS, [recorder], gradient_clip_val=CLIP)
+    return recorder.states[MAX_STEPS]
+
+
+def _config(root: Path, mode: str) -> CheckpointConfig:
+    return moc_config(root, mode=mode, replay=ReplayConfig(window=WINDOW), every_n_train_steps=2, k_snapshot=2)
+
+
+def _crash_and_resume(root: Path, mode: str) -> tuple[dict[str, torch.Tensor], object]:
+    crash = _crash_step()
+    fit_or_crash(root, _config(root, mode), MAX_STEPS, Recorder(crash_after=crash), gradient_clip_val=CLIP)
+    resumed = Recorder(at=(MAX_STEPS,))
+    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], gradient_clip_val=CLIP)
+    return resumed.states[MAX_STEPS], moc
+
+
+def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    assert got.keys() == want.keys()
+    return sorted(k for k in want if not torch.equal(got[k], want[k]))
+
+
+@pytest.mark.xdist_group("replay_lightning")
+def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    final, moc = _crash_and_resume(tmp_path, "replay")
+    report = moc.replay_report
+    print(f"replayed {report.replay_iterations} iterations of the window from step {report.window_start} "
+          f"in {report.replay_seconds * 1e3:.1f} ms; resumed at step {report.resume_step}")
+    assert report.replay_iterations == WINDOW - 1 and report.resume_step == report.window_start + WINDOW
+    assert report.plt == 0.0
+    assert _differing(final, uninterrupted) == []
+
+
+@pytest.mark.xdist_group("replay_lightning")
+def test_pec_resume_under_the_same_fault_is_not_bitwise_equal(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    final, moc = _crash_and_resume(tmp_path, "pec")
+    differ = _differing(final, uninterrupted)
+    print(f"mode=pec: {len(differ)} of {len(uninterrupted)} tensors differ from the uninterrupted run; "
+          f"PLT of the fault {moc.recovery.plt:.4%}")
+    assert differ and moc.recovery.plt > 0
