@@ -28,6 +28,7 @@ from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL, check_precision, check_shard_size
+from moc_lightning.replay_driver import check_supported as check_replay_supported
 
 
 @dataclass
@@ -144,6 +145,8 @@ class TrainConfig(RecipeConfig):
             check_shard_size(self.trainer.world_size, self.trainer.shard_size, ep)
         if self.trainer.data_parallel in SHARDED_DATA_PARALLEL and self.checkpoint.enabled:
             raise ValueError(f"trainer.data_parallel={self.trainer.data_parallel} with checkpoint.enabled=true: {SHARDED_NOT_SUPPORTED}")
+        if self.checkpoint.enabled and self.checkpoint.mode == "replay":
+            check_replay_supported(self.trainer.world_size, self.trainer.precision)
         self.checkpoint.validate_for(self.model.num_experts)
 
 

@@ -129,6 +129,10 @@ def test_wrong_type_is_rejected() -> None:
         (["trainer.precision=bf16-true"], "trainer.precision='bf16-true' with trainer.data_parallel=ddp would keep bf16/fp16 weights"),
         (["model.n_head=3"], "model.n_embd=64 must be divisible by model.n_head=3"),
         (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
+        (["checkpoint.mode=sparse"], "checkpoint.mode='sparse' is not allowed; choose one of: pec, replay"),
+        (["checkpoint.mode=replay", "checkpoint.replay.window=0"], "checkpoint.replay.window must be >= 1, got 0"),
+        (["checkpoint.mode=replay"], "checkpoint.mode=replay with 2 processes: checkpoint.mode=replay supports, so far, one process"),
+        (["checkpoint.mode=replay", "trainer.devices=1", "trainer.precision=bf16-mixed"], "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
     ],
 )
 def test_bad_values_name_the_option(overrides: list[str], message: str) -> None:
@@ -158,6 +162,13 @@ def test_checkpoint_config_validates_without_hydra() -> None:
     with pytest.raises(ValueError, match="checkpoint.retention must be >= 1"):
         CheckpointConfig(retention=0)
     assert CheckpointConfig(k_snapshot=4, k_persist=4).k_persist == 4
+
+
+
+def test_replay_mode_composes_for_one_process() -> None:
+    cfg = to_train_config(_compose(["checkpoint.mode=replay", "checkpoint.replay.window=8", "trainer.devices=1"]))
+    assert (cfg.checkpoint.mode, cfg.checkpoint.replay.window) == ("replay", 8)
+    assert to_train_config(_compose([])).checkpoint.mode == "pec"
 
 
 def _hf_train_config(overrides: list[str]):

@@ -53,6 +53,23 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
     return sorted(k for k in want if not torch.equal(got[k], want[k]))
 
 
+@pytest.mark.parametrize(
+    ("trainer_options", "message"),
+    [
+        ({"precision": "bf16-mixed"}, "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
+        ({"accumulate_grad_batches": 2}, "cannot replay this fit (accumulate_grad_batches=2)"),
+    ],
+)
+def test_replay_refuses_what_it_cannot_replay_before_training(
+    tmp_path: Path, trainer_options: dict, message: str
+) -> None:
+    recorder = Recorder()
+    with pytest.raises(ValueError, match=None) as err:
+        fit(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, [recorder], **trainer_options)
+    assert message in str(err.value) and "use checkpoint.mode=pec otherwise" in str(err.value)
+    assert recorder.start_step is None, "refused before training started"
+
+
 @pytest.mark.xdist_group("replay_lightning")
 def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
     tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
