@@ -268,13 +268,13 @@ class MoCCheckpoint(Checkpoint):
         Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
         engine = self.engine
         log = load_window(engine.pec.storage, manifest.lineage)
-        if log is None:
-            return self._fresh_checkpoint(module, f"no complete replay window of this run in {WINDOW_OBJECT}")
         engine.store.clear()  # PEC's slots play no part in replay mode
-        resumed = manifest.lineage.resumed_at(log.end_step)
+        resumed = manifest.lineage.resumed_at(log.end_step if log is not None else 0)
         engine.pec.commit_lineage(manifest.with_lineage(resumed))
         engine.lineage = resumed
         engine.pec.base_on(manifest)
+        if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
+            return self._fresh_checkpoint(module, f"no complete replay window of this run in {WINDOW_OBJECT}")
         self._to_replay = log
         return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 

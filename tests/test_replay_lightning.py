@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig
+from moc_lightning.replay_driver import WINDOW_OBJECT
 
 MAX_STEPS = 12
 WINDOW = 3
@@ -44,7 +46,8 @@ def _crash_and_resume(root: Path, mode: str) -> tuple[dict[str, torch.Tensor], o
     crash = _crash_step()
     fit_or_crash(root, _config(root, mode), MAX_STEPS, Recorder(crash_after=crash), gradient_clip_val=CLIP)
     resumed = Recorder(at=(MAX_STEPS,))
-    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], gradient_clip_val=CLIP)
+    logger = CSVLogger(root / "logs", name="", version="")
+    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], gradient_clip_val=CLIP, logger=logger)
     return resumed.states[MAX_STEPS], moc
 
 
@@ -76,10 +79,14 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
 ) -> None:
     final, moc = _crash_and_resume(tmp_path, "replay")
     report = moc.replay_report
+    stored = (tmp_path / "ckpt" / WINDOW_OBJECT).stat().st_size
     print(f"replayed {report.replay_iterations} iterations of the window from step {report.window_start} "
-          f"in {report.replay_seconds * 1e3:.1f} ms; resumed at step {report.resume_step}")
+          f"in {report.replay_seconds * 1e3:.1f} ms; resumed at step {report.resume_step}; window in storage "
+          f"{stored / 1e6:.2f} MB")
     assert report.replay_iterations == WINDOW - 1 and report.resume_step == report.window_start + WINDOW
     assert report.plt == 0.0
+    logged = (tmp_path / "logs" / "metrics.csv").read_text()
+    assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
     assert _differing(final, uninterrupted) == []
 
 
@@ -92,3 +99,17 @@ def test_pec_resume_under_the_same_fault_is_not_bitwise_equal(
     print(f"mode=pec: {len(differ)} of {len(uninterrupted)} tensors differ from the uninterrupted run; "
           f"PLT of the fault {moc.recovery.plt:.4%}")
     assert differ and moc.recovery.plt > 0
+
+
+@pytest.mark.xdist_group("replay_lightning")
+def test_a_crash_before_the_first_complete_window_starts_over_in_the_lineage(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """Nothing to replay yet: the run starts from step 0 again in the same lineage and still ends bitwise."""
+    fit_or_crash(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, Recorder(crash_after=WINDOW - 1),
+                 gradient_clip_val=CLIP)
+    resumed = Recorder(at=(MAX_STEPS,))
+    moc = fit(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, [resumed], gradient_clip_val=CLIP)
+    assert moc.replay_report is None and resumed.start_step == 0
+    assert len(moc.engine.lineage.segments) == 2, "resumed within the lineage, not a new one"
+    assert _differing(resumed.states[MAX_STEPS], uninterrupted) == []
