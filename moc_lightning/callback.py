@@ -263,7 +263,9 @@ class MoCCheckpoint(Checkpoint):
         checkpoint.setdefault("callbacks", {})[self.state_key] = self.engine.pec.state_dict()
         return checkpoint
 
-    def _restore_window(self, module: L.LightningModule, optimizer: torch.optim.Optimizer, manifest: Any) -> dict[str, Any]:
+    def _restore_window(
+        self, module: L.LightningModule, optimizer: torch.optim.Optimizer, manifest: Any
+    ) -> dict[str, Any]:
         """``mode=replay``: resume at the end of the newest complete window in storage. Its trainer state goes to
         Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
         engine = self.engine
@@ -517,7 +519,9 @@ class MoCCheckpoint(Checkpoint):
         report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log)
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
-        metrics = {"moc/replay_iterations": float(report.replay_iterations), "moc/replay_seconds": report.replay_seconds}
+        metrics = {
+            "moc/replay_iterations": float(report.replay_iterations), "moc/replay_seconds": report.replay_seconds,
+        }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         if self.engine.rank == 0:

@@ -134,7 +134,8 @@ class WindowLog:
     @classmethod
     def from_bytes(cls, data: bytes) -> tuple[WindowLog, dict[str, Any] | None]:
         """The window and the lineage stamp it was written under."""
-        payload = torch.load(io.BytesIO(data), weights_only=False)  # written by this run's lineage (checked by the caller)
+        # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it
+        payload = torch.load(io.BytesIO(data), weights_only=False)
         record = WindowRecord({parse_unit(k): t for k, t in payload["schedule"].items()}, payload["window"])
         record.full = {parse_unit(k): state for k, state in payload["full"].items()}
         record.logged = payload["logged"]
@@ -151,8 +152,6 @@ class WindowCapture:
     def __init__(self, window: int) -> None:
         self.window = window
         self.logs: list[WindowLog | None] = [None, None]
-        self.complete: WindowLog | None = None
-        """The newest complete window."""
         self._begun: tuple[int, Iteration] | None = None
 
     def begin(self, step: int, batch: Any, batch_idx: int) -> None:
@@ -172,10 +171,12 @@ class WindowCapture:
         if t == 0:
             if log is None:
                 sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}  # optimizer state exists by now
-                log = self.logs[k % 2] = WindowLog(WindowRecord(window_schedule(layout.units, self.window, sizes), self.window))
+                schedule = window_schedule(layout.units, self.window, sizes)
+                log = self.logs[k % 2] = WindowLog(WindowRecord(schedule, self.window))
             log.start_step, log.iterations, log.trainer_state = step, [], None
             log.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
-            log.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizers[0].param_groups]
+            groups = trainer.optimizers[0].param_groups
+            log.param_groups = [{key: v for key, v in group.items() if key != "params"} for group in groups]
         elif log is None or log.start_step != step - t or log.record.captured != t:
             return None
         log.record.capture(layout, t)
@@ -183,7 +184,6 @@ class WindowCapture:
         if t < self.window - 1:
             return None
         log.trainer_state = trainer_state.capture(trainer, own_key)
-        self.complete = log
         return log
 
 
