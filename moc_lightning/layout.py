@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moc_lightning.claims import Router, find_router, no_experts_error, stacked_views
-from moc_lightning.pieces import piece
+from moc_lightning.pieces import has_dtensors, piece
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 PER_MODULE_PATTERNS: tuple[str, ...] = (
@@ -182,6 +182,11 @@ class Layout:
     @cached_property
     def units(self) -> tuple[Unit, ...]:
         return tuple(sorted(self.slots))
+
+    @cached_property
+    def sharded(self) -> bool:
+        """Whether the parameters are DTensors (FSDP2): a unit's state on a rank is then its pieces of it."""
+        return has_dtensors(self.params.values())
 
     @cached_property
     def state_owners(self) -> Mapping[Unit, int] | None:

@@ -133,8 +133,10 @@ def load_fresh(
     zero: bool = False,
     fsdp2: bool = False,
 ) -> dict:
-    """A differently initialised model restored from storage: what it loaded and from which steps."""
+    """A differently initialised model restored from storage: what it loaded (local pieces under ``fsdp2``, and in
+    ``loaded_full`` the whole tensors, all-gathered for the test's oracle) and from which steps."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
     fresh = Trainee(topology, seed=1, zero=zero, fsdp2=fsdp2)
     load = fresh.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url).load_latest()
-    return {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
+    result = {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
+    return result | ({"loaded_full": fresh.full_snapshot()} if fsdp2 else {})
