@@ -4,7 +4,10 @@ oracles (:meth:`Trainee.full_snapshot`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -179,9 +182,26 @@ def test_a_k1_persist_writes_each_ranks_pieces_and_eq6_over_ranks(written_by_fsd
           f"eq. 6 {written[0]['k1_eq6']:.0f}")
 
 
+@contextlib.contextmanager
+def _no_gathering() -> Iterator[None]:
+    """Fail a DTensor gathered (``full_tensor``, ``redistribute``) or a tensor all-gather through ``torch.distributed``
+    while inside (DCP's exchange of plans, pickled objects, still runs)."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("a snapshot or persist gathered a sharded tensor")
+
+    with (
+        mock.patch.object(DTensor, "full_tensor", refuse),
+        mock.patch.object(DTensor, "redistribute", refuse),
+        mock.patch.object(dist, "all_gather_into_tensor", refuse),
+        mock.patch.object(dist, "all_gather", refuse),
+    ):
+        yield
+
+
 def _snapshot_and_recover(rank: int, world_size: int, root: str, lose_rank: int | None) -> dict:
-    """Two steps with a snapshot (K=2) and persist (K=1) each; then a fresh FSDP2 model recovers. With
-    ``lose_rank``, that rank's slots are gone first (its node was lost)."""
+    """Two steps with a snapshot (K=2) and persist (K=1) each, during which nothing may gather a DTensor; then a fresh
+    FSDP2 model recovers. With ``lose_rank``, that rank's slots are gone first (its node was lost)."""
     url = Path(root, "ckpt").as_uri()
     shm = Path(root, "shm", f"rank{rank}")
     trainee = Trainee(ExpertParallelTopology.from_process_group(1), fsdp2=True)
@@ -190,9 +210,10 @@ def _snapshot_and_recover(rank: int, world_size: int, root: str, lose_rank: int 
     for step in (1, 2):
         trainee.step(step)
         pec.record_tokens(trainee.model.moe_layers())
-        engine.snapshot(step, {"step": step})
-        engine.wait_snapshot()
-        engine.finish()
+        with _no_gathering():
+            engine.snapshot(step, {"step": step})
+            engine.wait_snapshot()
+            engine.finish()
     captured = trainee.snapshot()
     slot_units = [parse_unit(key) for key in engine.store.committed()[-1].units]
     fresh = Trainee(ExpertParallelTopology.from_process_group(1), seed=1, fsdp2=True)
@@ -228,6 +249,7 @@ def test_fsdp2_recovers_from_memory_only_where_every_piece_survived(tmp_path: Pa
                 assert torch.equal(tensor, rank["captured"][key]), key
     for rank in ranks:  # a rank's slot holds its half of each unit (and the scalar steps), not whole units
         assert rank["slot_bytes"] == pytest.approx(rank["whole_bytes"] / 2, rel=0.01)
+    print(f"fsdp2 slot bytes per rank {[r['slot_bytes'] for r in ranks]}; its units whole {ranks[0]['whole_bytes']}")
 
 
 class _RecordPieces(L.Callback):
