@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 from lightning.pytorch.strategies import ModelParallelStrategy
+from safetensors.torch import load_file
 from test_checkpointer import check_round_trip
+from test_consolidate import _assert_weights_equal as assert_weights_equal
 from test_sharded_data_parallel import CFG as SMALL
 from test_sharded_data_parallel import _loader as sharded_loader
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -24,6 +26,7 @@ from trainee import TINY, Trainee, every_step_config, load_fresh, train_and_chec
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.consolidate import consolidate
 from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
 from moc_lightning.models.lightning import GPTMoEModule
@@ -307,3 +310,16 @@ def test_moc_checkpoint_persists_and_resumes_under_model_parallel_strategy(tmp_p
         assert after.keys() == before.keys() and any("/optim/" in k for k in after)
         for key, tensor in before.items():
             assert torch.equal(after[key], tensor), key
+
+
+def test_an_fsdp2_checkpoint_consolidates_to_the_dense_model(
+    tmp_path: Path, written_by_fsdp2: tuple[Path, list[dict]]
+) -> None:
+    """``moc-consolidate`` joins the pieces two FSDP2 ranks wrote into the dense model: the weights one process
+    restores from the same checkpoints."""
+    root, _ = written_by_fsdp2
+    url = (root / "ckpt").as_uri()
+    restored = Trainee(ExpertParallelTopology(), seed=1)
+    restored.engine(every_step_config(4, 4), url).load_latest()
+    consolidate(url, tmp_path / "dense.safetensors", "safetensors", progress=False)
+    assert_weights_equal(load_file(tmp_path / "dense.safetensors"), restored.model)
