@@ -95,8 +95,8 @@ def test_layout_of_fsdp2_dtensors_has_ddps_units_and_bytes(tmp_path: Path) -> No
 
 @pytest.fixture(scope="module")
 def written_by_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """Checkpoints at steps 2 and 4 (K=4 of 8) written by 2 FSDP2 ranks with the experts sharded over both; at step
-    6 a K=1 persist and a full one, to storage of their own."""
+    """Checkpoints at steps 2 and 4 (K=4 of 8) written by 2 FSDP2 ranks with the experts sharded over both; and, from
+    a second model at its step 3, a K=1 persist and a full one, each to storage of its own (:func:`_write`)."""
     root = tmp_path_factory.mktemp("fsdp2")
     return root, run_ranks(_write, 2, root, str(root))
 
