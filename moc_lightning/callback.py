@@ -48,9 +48,9 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.seed import _set_rng_states
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.distributed.tensor import DTensor
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
@@ -64,9 +64,11 @@ from moc_lightning.layout import Layout, build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.pieces import SHARDED_MODES, check_supported
 from moc_lightning.replay_driver import (
-    WINDOW_OBJECT, ReplayReport, WindowCapture, WindowLog, check_supported, check_trainer, load_window, replay_window,
+    WINDOW_OBJECT, ReplayReport, WindowCapture, WindowLog, check_trainer, load_window, replay_window,
 )
+from moc_lightning.replay_driver import check_supported as check_replay_supported
 from moc_lightning.routing import TokenSource, token_source, unknown_message
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.start import agreed_manifest, begin_lineage
@@ -145,9 +147,10 @@ class MoCCheckpoint(Checkpoint):
         self._trainer, self._module = trainer, pl_module
         if not isinstance(trainer.strategy.checkpoint_io, _MoCCheckpointIO):
             trainer.strategy.checkpoint_io = _MoCCheckpointIO(trainer.strategy.checkpoint_io, self)
+        _route_strategy_loads(trainer.strategy)
         if stage == "fit":
             if self.config.mode == "replay":
-                check_supported(trainer.world_size, trainer.precision)
+                check_replay_supported(trainer.world_size, trainer.precision)
             resuming = trainer.strategy.checkpoint_io.is_moc(trainer.ckpt_path)
             if resuming and self.config.resume == "never":
                 raise ValueError(
@@ -158,7 +161,7 @@ class MoCCheckpoint(Checkpoint):
 
     def _build_engine(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer | None) -> None:
         """Create the engine once per process (the persist process group is collective to create)."""
-        check_not_sharded(pl_module)
+        check_supported(dict(pl_module.named_parameters()), type(pl_module).__name__)
         topology = getattr(pl_module, "expert_topology", None) or ExpertParallelTopology.replicated()
         check_other_checkpoints(self._trainer, self, topology.ep, local_path(self.config.storage.url))
         layout = build_layout(pl_module, optimizer, preset=self.layout_preset, expert_parallel=topology.ep)
@@ -230,7 +233,11 @@ class MoCCheckpoint(Checkpoint):
         module = self._module
         if self._trainer.state.fn != TrainerFn.FITTING:
             return self._newest_weights(module)
-        optimizer = _fresh_optimizer(module)
+        strategy = self._trainer.strategy
+        if strategy.lightning_restore_optimizer or not self._trainer.optimizers:
+            optimizer = _fresh_optimizer(module)
+        else:  # ModelParallelStrategy restores optimizers itself, after their set-up: restore into the trainer's
+            optimizer = self._trainer.optimizers[0]
         self._build_engine(module, optimizer)
         engine = self.engine
         manifest = agreed_manifest(engine.pec)
@@ -283,7 +290,7 @@ class MoCCheckpoint(Checkpoint):
     def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
         """What ``validate``/``test``/``predict`` with the storage URL restore: the newest committed weights,
         loaded by an engine of their own (:func:`load_newest`); the training engine and the lineage stay as they are."""
-        check_not_sharded(module)
+        check_supported(dict(module.named_parameters()), type(module).__name__)
         topology = getattr(module, "expert_topology", None) or ExpertParallelTopology.replicated()
         layout = build_layout(module, None, preset=self.layout_preset, expert_parallel=topology.ep)
         step = load_newest(self._new_pec(module, layout, topology), self._trainer.state.fn.value)
@@ -333,7 +340,13 @@ class MoCCheckpoint(Checkpoint):
             check_trainer(trainer, pl_module)
             self.capture = WindowCapture(self.config.replay.window)
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
-        if self.engine.lineage is None:  # not resumed: this run begins its own lineage
+        self._slots_sized = False
+        self._persists_logged = 0
+
+    def _begin_lineage_unless_resumed(self, trainer: L.Trainer) -> None:
+        """A fit that did not resume through MoC begins its own lineage. Decided when training starts: a strategy that
+        restores after its set-up (``ModelParallelStrategy``) resumes after ``on_fit_start``, not before it."""
+        if self.engine.lineage is None:
             reason = (
                 "checkpoint.resume=never" if self.config.resume == "never"
                 else "fit was not given ckpt_path=moc.resume_target()"
@@ -341,8 +354,6 @@ class MoCCheckpoint(Checkpoint):
             self.engine.lineage = begin_lineage(self.engine.pec, lineage_fingerprint(self.engine.pec.layout), reason)
             self.engine.store.clear()
         self._last_step = trainer.global_step
-        self._slots_sized = False
-        self._persists_logged = 0
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -504,6 +515,7 @@ class MoCCheckpoint(Checkpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """This rank's RNG streams as they were after the resume step, set just before the next step runs:
         Lightning's set-up after loading (the train loader's iterator, ...) would otherwise draw from them."""
+        self._begin_lineage_unless_resumed(trainer)
         if self._to_replay is not None:
             self._replay(trainer, pl_module)
         if self._rng_to_restore is not None:
@@ -530,19 +542,11 @@ class MoCCheckpoint(Checkpoint):
                   f"step {report.resume_step} (PLT 0)")
 
 
-SHARDED_NOT_SUPPORTED = (
-    "MoCCheckpoint supports trainer.data_parallel=ddp and zero2 (DDP, with or without a ZeRO optimizer); MoC support "
-    "of FSDP2/HSDP (trainer.data_parallel=fsdp2|hsdp, DTensor parameters) is not implemented yet: train with "
-    "checkpoint.enabled=false (no MoCCheckpoint)"
+HSDP_NOT_SUPPORTED = (
+    f"MoCCheckpoint supports {SHARDED_MODES}; MoC support of HSDP (trainer.data_parallel=hsdp: pieces replicated "
+    "across shard groups) is not implemented yet: train it with checkpoint.enabled=false (no MoCCheckpoint)"
 )
-"""Why a sharded model is refused, for the callback and the recipe's config alike."""
-
-
-def check_not_sharded(module: L.LightningModule) -> None:
-    """Refuse a module whose parameters are DTensors (FSDP2 ``fully_shard``, HSDP, tensor parallelism): a unit's
-    state is read as whole local tensors, which a DTensor's local shard is not."""
-    if any(isinstance(p, DTensor) for p in module.parameters()):
-        raise ValueError(f"{type(module).__name__} has DTensor parameters. {SHARDED_NOT_SUPPORTED}")
+"""Why HSDP is refused, for the recipe's config (the callback names the parameter: :func:`pieces.check_supported`)."""
 
 
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:
@@ -606,6 +610,24 @@ class _MoCCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.delegate.teardown()
+
+
+def _route_strategy_loads(strategy: Strategy) -> None:
+    """Route a MoC ``ckpt_path`` of a strategy that reads checkpoints itself, not through its ``CheckpointIO``
+    (``ModelParallelStrategy`` loads a DCP directory into the model and optimizers), to :meth:`MoCCheckpoint.restore`.
+    Such a strategy loads no model or optimizer state from the returned dict: recovery restored them in place."""
+    if getattr(strategy, "_moc_routed", False):
+        return
+    original = strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        io = strategy.checkpoint_io
+        if isinstance(io, _MoCCheckpointIO) and io.is_moc(checkpoint_path):
+            return io.callback.restore()
+        return original(checkpoint_path, weights_only=weights_only)
+
+    strategy.load_checkpoint = load_checkpoint
+    strategy._moc_routed = True
 
 
 def _last_through_moc(trainer: L.Trainer) -> str | None:

@@ -43,6 +43,7 @@ from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, part_of, split_part_key
+from moc_lightning.pieces import as_dtensors, check_supported, gather_holders, piece
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
 from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
@@ -156,6 +157,7 @@ class PECCheckpointer:
         """``fault_hook``, if given, is called on the coordinator with each name in :data:`COMMIT_POINTS` as its
         commit reaches it (fault injection: what it raises fails the commit there)."""
         num_experts = layout.num_experts
+        check_supported(layout.params)
         cfg.validate_for(min(num_experts))
         check_k(cfg.k_snapshot, cfg.k_persist, min(num_experts))
         self.cfg = cfg
@@ -174,6 +176,14 @@ class PECCheckpointer:
         self.state_owners = gather_state_owners(layout)
         """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
         unit is then snapshotted and written whole there. ``None`` when every holder keeps the state (DDP)."""
+        self.piece_holders = gather_holders(u.key for u in layout.units) if layout.sharded else None
+        """Under FSDP2 (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the ranks holding a piece of it,
+        for every unit of the model; each of them snapshots and writes its own pieces. ``None`` otherwise."""
+        if self.piece_holders is not None and cfg.pec_scope != "both":
+            raise ValueError(
+                f"checkpoint.pec_scope={cfg.pec_scope!r} is not supported under FSDP2 (DTensor parameters) yet; "
+                "use checkpoint.pec_scope=both, or trainer.data_parallel=ddp|zero2 for the other scopes"
+            )
         self._param_sources: dict[str, dict[str, Any]] | None = None
         self.lineage: Lineage | None = None
         """The run this engine's checkpoints belong to; ``None`` when the engine is used on its own."""
@@ -360,6 +370,9 @@ class PECCheckpointer:
                 state: dict[str, Any] = self.layout.tensors([u for u in units if u in self.layout.slots])
                 state.update(self.part_tensors(parts))
                 writes = self._writes(units, state, parts)
+            elif self.piece_holders is not None:  # a slot's local pieces, placed at their offsets again
+                state = as_dtensors(from_slot, self.layout.tensors([u for u in units if u in self.layout.slots]))
+                writes = self._piece_writes(state)
             else:
                 state = dict(from_slot)
                 writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
@@ -577,7 +590,9 @@ class PECCheckpointer:
     ) -> dict[str, RowRange] | None:
         """Rows of every local tensor this rank writes, from the ownership of ``units`` and of the units of
         ``parts`` (sized by that part); under ZeRO, the whole tensors of the units whose optimizer state this rank
-        keeps (no other rank holds that state)."""
+        keeps (no other rank holds that state); under FSDP2, its pieces (:meth:`_piece_writes`)."""
+        if self.piece_holders is not None:
+            return self._piece_writes(state)
         partial = {parse_unit(u): part for u, part in map(split_part_key, parts)}
         if self.state_owners is not None:
             mine = {u.key for u in (*units, *partial) if self.state_owners[u.key] == self.topology.rank}
@@ -601,6 +616,16 @@ class PECCheckpointer:
                         writes[key] = (0, 1)
                     continue
                 writes[key] = tensor_row_range(shard.row_start, shard.row_stop, unit.rows, tensor.shape[0])
+        return writes
+
+    def _piece_writes(self, state: Mapping[str, torch.Tensor]) -> dict[str, RowRange]:
+        """Under FSDP2: every DTensor's local piece, which no other rank holds (DCP records its offsets); a plain
+        tensor beside them (Adam's scalar ``step``, alike on every holder) by the unit's first holder."""
+        writes: dict[str, RowRange] = {}
+        for key, tensor in state.items():
+            local = piece(tensor)
+            if local is not tensor or self.piece_holders[parse_unit(key).key][0] == self.topology.rank:
+                writes[key] = _whole_rows(local)
         return writes
 
     def _sharding_unit(self, unit: Unit, part: str | None = None) -> ShardingUnit:
@@ -635,22 +660,26 @@ class PECCheckpointer:
         Snapshot ownership spreads the dense units and ``k_snapshot`` experts per MoE layer over the ranks
         in whole units, balanced by bytes: an even share plus the largest unit covers the imbalance. Under
         ZeRO each unit is snapshotted by its state owner: this rank's dense units and, per MoE layer, its
-        ``k_snapshot`` largest experts. Under a ``pec_scope`` other than ``both`` the other experts' non-PEC part
-        is added. ``with_optimizer_state``: before the optimizer's first step (no state yet), count the state it
-        will create (:func:`expected_state_bytes`).
+        ``k_snapshot`` largest experts; under FSDP2 each holder snapshots its pieces of them, so the same count
+        over the local bytes. Under a ``pec_scope`` other than ``both`` the other experts' non-PEC part is added.
+        ``with_optimizer_state``: before the optimizer's first step (no state yet), count the state it will create
+        (:func:`expected_state_bytes`).
         """
         rest = always_saved(self.cfg.pec_scope)
+        local = self.piece_holders is not None
 
         def nbytes(unit: Unit, part: str | None = None) -> int:
-            size = self.layout.unit_bytes(self.local_twin(unit))
+            size = self.layout.unit_bytes(self.local_twin(unit), local=local)
             state = size.optimizer
             if with_optimizer_state and state == 0:
-                state = expected_state_bytes(self.layout, self.local_twin(unit))
+                state = expected_state_bytes(self.layout, self.local_twin(unit), local=local)
             weights = size.weights + size.buffers
             return {None: weights + state, "weights": weights, "optimizer": state}[part]
 
-        if self.state_owners is not None:
-            mine = [u for u in self.layout.units if self.state_owners[u.key] == self.topology.rank]
+        if self.state_owners is not None or local:
+            mine = [
+                u for u in self.layout.units if local or self.state_owners[u.key] == self.topology.rank
+            ]
             total = sum(nbytes(u) for u in mine if not isinstance(u, ExpertUnit))
             for layer, n in enumerate(self.layout.num_experts):
                 layer_units = sorted(
@@ -878,13 +907,14 @@ class PECCheckpointer:
             dist.barrier(group=self.process_group)
 
 
-def expected_state_bytes(layout: Layout, unit: Unit) -> int:
+def expected_state_bytes(layout: Layout, unit: Unit, local: bool = False) -> int:
     """Optimizer state ``unit`` will have once stepped, for sizing before the optimizer has created any: what the
-    optimizer states (:func:`stated_state_bytes`), else :func:`expected_state_ratio` of its weights."""
+    optimizer states (:func:`stated_state_bytes`), else :func:`expected_state_ratio` of its weights (``local``: of
+    this rank's pieces of them)."""
     stated = stated_state_bytes(layout, unit)
     if stated is not None:
         return stated
-    return int(layout.unit_bytes(unit).weights * expected_state_ratio(layout.optimizer))
+    return int(layout.unit_bytes(unit, local=local).weights * expected_state_ratio(layout.optimizer))
 
 
 def gather_state_owners(layout: Layout) -> dict[str, int] | None:

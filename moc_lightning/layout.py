@@ -27,6 +27,11 @@ Non-expert parameters form dense units at layer granularity: the module one leve
 (its router) or below the transformer block (the first integer-indexed module in the name: attention,
 FFN, norms), and otherwise the parameter's own module (embeddings, final norm, head).
 
+Under FSDP2 the parameters and the optimizer state shaped like them are DTensors (:mod:`moc_lightning.pieces`): units
+and keys are found from their names and whole shapes exactly as under DDP, so checkpoints of the two modes are
+interchangeable; :meth:`Layout.tensors` hands out the DTensors (what DCP writes and loads at their offsets), and
+:meth:`Layout.pieces` this rank's local shards of them (what a snapshot copies).
+
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
 create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has
 received no token yet); a restore recreates exactly the state its source holds, from the stored shapes and
@@ -42,8 +47,10 @@ from functools import cached_property
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moc_lightning.claims import Router, find_router, no_experts_error, stacked_views
+from moc_lightning.pieces import has_dtensors, piece
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
 PER_MODULE_PATTERNS: tuple[str, ...] = (
@@ -177,6 +184,11 @@ class Layout:
         return tuple(sorted(self.slots))
 
     @cached_property
+    def sharded(self) -> bool:
+        """Whether the parameters are DTensors (FSDP2): a unit's state on a rank is then its pieces of it."""
+        return has_dtensors(self.params.values())
+
+    @cached_property
     def state_owners(self) -> Mapping[Unit, int] | None:
         """Under ZeRO (an optimizer with ``unit_owners``, :class:`moc_lightning.zero.ZeroAdamW`): the rank that keeps
         each local unit's optimizer state. ``None`` when every holder of a unit keeps its state (DDP)."""
@@ -209,15 +221,21 @@ class Layout:
         chosen = self.units if units is None else units
         return {key: tensor for unit in chosen for key, tensor, _ in self._entries(unit)}
 
+    def pieces(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
+        """As :meth:`tensors`, each DTensor as this rank's local piece of it (sharing its storage)."""
+        return {key: piece(tensor) for key, tensor in self.tensors(units).items()}
+
     def model_tensors(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
         """The model's own tensors of ``units``: weights and buffers, no optimizer state (as in :meth:`tensors`)."""
         return {key: tensor for unit in units for key, tensor, kind in self._entries(unit) if kind != "optimizer"}
 
-    def unit_bytes(self, unit: Unit) -> UnitBytes:
-        """Bytes the unit would write now; optimizer bytes are 0 until the optimizer has created its state."""
+    def unit_bytes(self, unit: Unit, local: bool = False) -> UnitBytes:
+        """Bytes of the unit now, whole (a DTensor's global size); ``local``: of this rank's pieces of it (what
+        its snapshot copies). Optimizer bytes are 0 until the optimizer has created its state."""
         sizes = {"weight": 0, "optimizer": 0, "buffer": 0}
         numel = 0
         for _, tensor, kind in self._entries(unit):
+            tensor = piece(tensor) if local else tensor
             sizes[kind] += tensor.numel() * tensor.element_size()
             numel += tensor.numel() if kind == "weight" else 0
         return UnitBytes(
@@ -252,12 +270,12 @@ class Layout:
         return shared
 
     def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
-        """Copy loaded tensors into the live parameters and optimizer state, in place.
+        """Copy loaded tensors into the live parameters and optimizer state, in place (this rank's pieces of them).
 
         A stacked parameter's non-sliceable state (Adam's scalar ``step``) is shared by all its experts,
         so it takes the value of whichever of them is copied last.
         """
-        targets = self.tensors({_unit_of(key, self.slots) for key in loaded})
+        targets = self.pieces({_unit_of(key, self.slots) for key in loaded})
         missing = sorted(set(loaded) - set(targets))
         if missing:
             raise KeyError(
@@ -279,7 +297,9 @@ class Layout:
         parameter with none, or whose state another rank keeps (ZeRO), has no state afterwards, as it had none when it was saved (frozen, or an expert
         without tokens). Nothing is stepped: a zero-gradient step would decay state already loaded, and
         costs a full optimizer step. A stacked parameter's state is created whole (``[E, ...]``) from its
-        experts' slices; a state that was not sliced (Adam's scalar ``step``) is shared by its experts.
+        experts' slices; a state that was not sliced (Adam's scalar ``step``) is shared by its experts. The state of
+        a DTensor parameter is a DTensor placed as the parameter is (what the optimizer itself creates), but for
+        scalar states.
         """
         if self.optimizer is None:
             return
@@ -304,6 +324,9 @@ class Layout:
             fresh = {}
             for state_name, (slot, (shape, dtype)) in states.items():
                 scalar = len(shape) == 0 and state_name in scalars
+                if isinstance(param, DTensor) and not scalar:
+                    fresh[state_name] = torch.zeros_like(param, dtype=dtype)
+                    continue
                 if slot.index is not None and tuple(shape) == _slice_shape(slot, param.shape) and not scalar:
                     shape = tuple(param.shape)  # an expert's slice of a stacked state
                 group = groups.get(param, {})
@@ -566,6 +589,11 @@ def _placements(
         return [(m.local_index, None)]
     if param.dim() == 0:
         raise ValueError(f"stacked expert parameter {name!r} is a scalar; it needs a leading expert dim [E, ...]")
+    if isinstance(param, DTensor):
+        raise ValueError(
+            f"stacked expert parameter {name!r} is a DTensor; MoC checkpoints FSDP2 experts held one module per expert "
+            "(the reference model's) but does not yet slice a sharded [E, ...] stack into experts"
+        )
     return [(i, i) for i in range((view or param.shape)[0])]
 
 

@@ -17,6 +17,9 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from moc_lightning.pieces import piece
 
 RowRange = tuple[int, int]
 """Rows ``[start, stop)`` along dim 0 of a tensor."""
@@ -57,7 +60,8 @@ class MoCSavePlanner(DefaultSavePlanner):
     ``writes`` maps a tensor's key to the rows this rank writes; a key absent from it is written by
     another rank. A 0-dim tensor is written whole by the rank whose range for it is ``(0, 1)``. A non-tensor
     value is written by this rank if ``writes`` lists it (a rank's own state, under a key only it uses), else
-    by the coordinator. ``writes=None`` keeps DCP's own behaviour (every rank proposes
+    by the coordinator. A DTensor listed in ``writes`` is written as DCP writes it: this rank's local piece at its
+    offsets (FSDP2: no other rank holds it). ``writes=None`` keeps DCP's own behaviour (every rank proposes
     its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
     """
 
@@ -77,6 +81,10 @@ class MoCSavePlanner(DefaultSavePlanner):
             rows = self.writes.get(key)
             if rows is None:
                 continue
+            if isinstance(value, DTensor):
+                if piece(value).numel() > 0:
+                    items.extend(value.__create_write_items__(key, value))
+                continue
             if value.dim() == 0:
                 if rows == (0, 1):
                     items.append(_row_write_item(key, value, (0, 1)))
@@ -93,8 +101,9 @@ class MoCSavePlanner(DefaultSavePlanner):
         return all_plans
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        """The whole value by key: DCP's lookup refuses a plain tensor at a non-zero offset."""
-        return self.state_dict[index.fqn]
+        """The whole value by key (of a DTensor, this rank's piece): DCP's lookup refuses a plain tensor at a
+        non-zero offset."""
+        return piece(self.state_dict[index.fqn])
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         value = super().resolve_data(write_item)

@@ -12,17 +12,21 @@ Sources are chosen per *part* of a unit (:mod:`moc_lightning.parts`): under ``ch
 than ``both`` a slot or checkpoint holds one part of the experts it does not hold whole, so each part of an
 expert comes from the newest surviving copy of that part. Under ``both`` both parts of a unit always come
 from the same source.
+
+A unit kept in pieces (FSDP2, :mod:`moc_lightning.pieces`) is in memory at a step only when every rank holding a
+piece of it has a slot of that step with it: each of them restores its own piece. Otherwise it comes from storage
+whole (or not at all), never half from memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from moc_lightning.ledger import NEVER
 from moc_lightning.manifest import Manifest
-from moc_lightning.parts import PARTS, part_key
+from moc_lightning.parts import PARTS, part_key, split_part_key
 
 Level = Literal["memory", "storage", "none"]
 
@@ -46,15 +50,17 @@ class Source:
     level: Level
     step: int
     rank: int | None = None
-    """Rank whose slot holds it (memory)."""
+    """Rank whose slot holds it (memory); ``None`` for a unit in pieces, which every holder takes from its own."""
     slot: int | None = None
     checkpoint: str | None = None
     """Committed checkpoint holding it (storage)."""
+    pieces: bool = False
+    """In memory in pieces: every holder restores its piece from its own slot of ``step``."""
 
     def describe(self, my_rank: int) -> str:
         """``memory_local`` / ``memory_peer`` / ``storage`` / ``none`` from ``my_rank``'s point of view."""
         if self.level == "memory":
-            return "memory_local" if self.rank == my_rank else "memory_peer"
+            return "memory_local" if self.pieces or self.rank == my_rank else "memory_peer"
         return self.level
 
 
@@ -73,33 +79,65 @@ class RecoveryPlan:
 
 
 def plan_recovery(
-    dense: Sequence[str], experts: Sequence[str], slots: Iterable[SlotInventory], manifest: Manifest
+    dense: Sequence[str],
+    experts: Sequence[str],
+    slots: Iterable[SlotInventory],
+    manifest: Manifest,
+    holders: Mapping[str, Collection[int]] | None = None,
 ) -> RecoveryPlan | None:
-    """The resume step and a source for every part of every unit; ``None`` when no step has every dense unit."""
+    """The resume step and a source for every part of every unit; ``None`` when no step has every dense unit.
+
+    ``holders``: for units kept in pieces, the ranks holding a piece of each (see the module docstring).
+    """
     slots = sorted(slots, key=lambda s: (s.step, s.rank, s.slot))
+    memory = _whole_in_memory(slots, holders or {})
     candidates = sorted({s.step for s in slots} | {r.step for r in manifest.records}, reverse=True)
-    resume = next((step for step in candidates if _dense_complete(step, dense, slots, manifest)), None)
+    resume = next((step for step in candidates if _dense_complete(step, dense, memory, manifest)), None)
     if resume is None:
         return None
     return RecoveryPlan(
         resume,
-        {part_key(unit, part): _newest(unit, part, resume, slots, manifest) for unit in (*dense, *experts) for part in PARTS},
+        {part_key(unit, part): _newest(unit, part, resume, memory, manifest) for unit in (*dense, *experts) for part in PARTS},
     )
 
 
-def _dense_complete(step: int, dense: Sequence[str], slots: list[SlotInventory], manifest: Manifest) -> bool:
-    in_memory = set().union(*(s.units for s in slots if s.step == step))
+def _whole_in_memory(
+    slots: list[SlotInventory], holders: Mapping[str, Collection[int]]
+) -> dict[str, list[Source]]:
+    """Part key -> every version memory holds of that part, as its source: a slot holding the unit whole or that
+    part of it, or, for a unit in pieces, a step at which every holder's slot has its piece (one source for all)."""
+    pieces: dict[tuple[str, int], set[int]] = {}
+    versions: dict[str, list[Source]] = {}
+    for slot in slots:  # sorted by step, then rank: the first version of a step is the lowest rank's
+        held = [part_key(unit, part) for unit in slot.units for part in PARTS] + sorted(slot.parts)
+        for key in held:
+            if split_part_key(key)[0] in holders:
+                pieces.setdefault((key, slot.step), set()).add(slot.rank)
+            else:
+                versions.setdefault(key, []).append(Source("memory", slot.step, rank=slot.rank, slot=slot.slot))
+    for (key, step), ranks in pieces.items():
+        if ranks >= set(holders[split_part_key(key)[0]]):
+            versions.setdefault(key, []).append(Source("memory", step, pieces=True))
+    return versions
+
+
+def _dense_complete(step: int, dense: Sequence[str], memory: Mapping[str, list[Source]], manifest: Manifest) -> bool:
+    """Every part of every dense unit at ``step``, in memory or in the checkpoint of that step."""
     record = next((r for r in manifest.records if r.step == step), None)
-    return all(unit in in_memory or (record is not None and record.holds(unit)) for unit in dense)
+    return all(
+        any(s.step == step for s in memory.get(part_key(unit, part), ()))
+        or (record is not None and record.holds(unit))
+        for unit in dense
+        for part in PARTS
+    )
 
 
-def _newest(unit: str, part: str, resume: int, slots: list[SlotInventory], manifest: Manifest) -> Source:
-    key = part_key(unit, part)
-    memory = [s for s in slots if s.step <= resume and (unit in s.units or key in s.parts)]
+def _newest(unit: str, part: str, resume: int, memory: Mapping[str, list[Source]], manifest: Manifest) -> Source:
+    versions = [source for source in memory.get(part_key(unit, part), ()) if source.step <= resume]
     record = manifest.newest(unit, at_or_before=resume, part=part)
-    best_memory = max(memory, key=lambda s: s.step, default=None)  # ties: lowest rank (slots are sorted)
+    best_memory = max(versions, key=lambda s: s.step, default=None)  # ties: the first, the lowest rank's
     if best_memory is not None and (record is None or best_memory.step >= record.step):
-        return Source("memory", best_memory.step, rank=best_memory.rank, slot=best_memory.slot)
+        return best_memory
     if record is not None:
         return Source("storage", record.step, checkpoint=record.name)
     return Source("none", NEVER)

@@ -20,11 +20,13 @@ Timeline of one snapshot step ``t`` (MoC-System Figures 3 and 9):
 Snapshot ownership is at unit granularity: each unit is copied whole by one rank (dense units spread by
 the sharding strategy, each expert by one of its replicas, alternating; under ZeRO, the rank that keeps the
 unit's optimizer state, the only one that can), so a lost node loses whole units and every other unit can
-still come from memory.
+still come from memory. Under FSDP2 no rank holds a unit whole: every holder snapshots its own pieces
+(:mod:`moc_lightning.pieces`), and a unit comes back from memory only if every holder's piece survived.
 
 Under ``checkpoint.pec_scope`` other than ``both`` (:mod:`moc_lightning.parts`) a snapshot and its persist also
 hold the non-PEC part of every expert they do not take whole, copied by the rank that would copy the expert
-whole; recovery takes each part of each unit from its newest surviving copy.
+whole; recovery takes each part of each unit from its newest surviving copy (not yet under FSDP2, which refuses
+those scopes).
 """
 
 from __future__ import annotations
@@ -220,10 +222,15 @@ class TwoLevelCheckpointer:
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
         parts = pec.partial_parts(units)
-        owners = self._owners(units, parts)
-        mine = [u for u in units if owners[u.key] == self.rank]
-        my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == self.rank)
-        tensors = pec.layout.tensors(mine) | pec.part_tensors(my_parts)
+        if pec.piece_holders is not None:  # FSDP2: every holder snapshots its own pieces (pec_scope is both)
+            owners = None
+            mine = [u for u in units if u in pec.layout.slots]
+            my_parts: tuple[str, ...] = ()
+        else:
+            owners = self._owners(units, parts)
+            mine = [u for u in units if owners[u.key] == self.rank]
+            my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == self.rank)
+        tensors = pec.layout.pieces(mine) | pec.part_tensors(my_parts)
         extra = {"engine": pec.state_dict(), "owners": owners, "lineage": self.lineage.stamp() if self.lineage else None}
         slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
         persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
@@ -467,7 +474,7 @@ class TwoLevelCheckpointer:
     ) -> RecoveryReport | None:
         pec = self.pec
         experts = [ExpertUnit(layer, e).key for layer, n in enumerate(pec.layout.num_experts) for e in range(n)]
-        plan = plan_recovery([u.key for u in pec.layout.dense_units], experts, inventory, manifest)
+        plan = plan_recovery([u.key for u in pec.layout.dense_units], experts, inventory, manifest, pec.piece_holders)
         if plan is None:
             return None
         by_slot = {m.slot: m for m in metas}
@@ -529,17 +536,22 @@ class TwoLevelCheckpointer:
     def _memory_specs(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> dict[str, TensorSpec]:
         """Key -> (shape, dtype) of every tensor of every memory-sourced unit, in its slot's order, as the slot
         owners describe them (collective: one exchange). A restore creates optimizer state from these, and
-        sizes the broadcasts by them: a unit's peer copy may hold state that this rank's twin lacks."""
+        sizes the broadcasts by them: a unit's peer copy may hold state that this rank's twin lacks. A unit in
+        pieces is described by this rank's own slot (its pieces, which no other rank needs)."""
         mine: dict[str, SlotEntry] = {}
+        own_pieces: dict[str, SlotEntry] = {}
         for key, source in plan.sources.items():
-            if source.level == "memory" and source.rank == self.rank:
+            if source.level == "memory" and source.pieces:
+                meta = _slot_of_step(by_slot, source.step)
+                own_pieces.update({k: e for k, e in meta.entries.items() if part_key_of(k) == key})
+            elif source.level == "memory" and source.rank == self.rank:
                 meta = by_slot[source.slot]
                 mine.update({k: e for k, e in meta.entries.items() if part_key_of(k) == key})
         parts = [mine]
         if dist.is_initialized():
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, mine)
-        return {k: (tuple(e.shape), e.torch_dtype) for part in parts for k, e in part.items()}
+        return {k: (tuple(e.shape), e.torch_dtype) for part in [*parts, own_pieces] for k, e in part.items()}
 
     def _restore_from_memory(
         self,
@@ -548,7 +560,8 @@ class TwoLevelCheckpointer:
         specs: Mapping[str, TensorSpec],
         skip: Collection[str] = (),
     ) -> None:
-        """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in.
+        """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in. A unit in
+        pieces: every holder copies its own pieces in from its own slot, nothing is sent.
 
         One broadcast per unit and slot: both parts of a unit when they come from the same slot (always under
         ``both``), each part apart when they do not. ``specs`` (from :meth:`_memory_specs`) names each part's
@@ -565,6 +578,11 @@ class TwoLevelCheckpointer:
                 copies.setdefault((split_part_key(key)[0], source), []).extend(by_part.get(key, []))
         for (unit_key, source), keys in copies.items():
             unit = parse_unit(unit_key)
+            if source.pieces:
+                if unit in layout.slots:
+                    own = [k for k in keys if k not in skip]
+                    layout.copy_in(self.store.read(_slot_of_step(by_slot, source.step), own))
+                continue
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self.rank:
                 tensors = self.store.read(by_slot[source.slot], keys)
@@ -611,6 +629,11 @@ class TwoLevelCheckpointer:
                 self.store.invalidate(meta.slot)
         if dist.is_initialized():
             dist.barrier()
+
+
+def _slot_of_step(by_slot: Mapping[int, SlotMeta], step: int) -> SlotMeta:
+    """This rank's slot of ``step`` (a plan sources a unit in pieces from a step only when every holder has one)."""
+    return next(meta for meta in by_slot.values() if meta.step == step)
 
 
 def _stale_shared_state(layout: Layout, restored: Sequence[str], plan: RecoveryPlan) -> set[str]:

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, StorageConfig
@@ -38,7 +38,7 @@ class Capture(L.Callback):
 
     def _layout_tensors(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
         layout = build_layout(module, trainer.optimizers[0], num_experts=MODEL.num_experts)
-        return {k: v.detach().clone() for k, v in layout.tensors().items()}
+        return {k: v.detach().clone() for k, v in layout.pieces(layout.units).items()}  # fsdp2: this rank's pieces
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_step > 0:
@@ -97,7 +97,10 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=4,
-        strategy=DDPStrategy(process_group_backend="gloo"),
+        strategy=(
+            ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1) if args.data_parallel == "fsdp2"
+            else DDPStrategy(process_group_backend="gloo")
+        ),
         max_steps=args.max_steps,
         limit_val_batches=0,
         logger=False,

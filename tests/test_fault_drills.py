@@ -25,9 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 EVERY, PERSIST_EVERY = 5, 2  # snapshots at 5, 10, 15, ...; persists at 5, 15, 25, ...
 
 pytestmark = pytest.mark.slow
-MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
-"""The drills the issue names run under DDP and under ZeRO-2 (each unit then snapshotted and written whole by
-the rank keeping its optimizer state; the capture holds each rank's own share of the optimizer state)."""
+MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "fsdp2"])
+"""The drills the issue names run under DDP, ZeRO-2 (each unit then snapshotted and written whole by the rank keeping
+its optimizer state; the capture holds each rank's own share of the optimizer state) and FSDP2 (every rank snapshots
+and writes its own pieces of every unit; the capture holds them)."""
+WHOLE_UNIT_MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
+"""Modes where a snapshot holds units whole, so a lost node leaves the other node's units in memory (under FSDP2 every
+unit has a piece on every node: :func:`test_node_loss_under_fsdp2_takes_every_unit_from_storage`)."""
 
 
 def launch_drill(
@@ -117,7 +121,7 @@ def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path,
     assert reports[1]["plt"] == pytest.approx(plt_by_hand(tmp_path, 20, _steps(reports[1])), rel=1e-9)
 
 
-@MODES
+@WHOLE_UNIT_MODES
 def test_node_loss_takes_the_lost_nodes_units_from_storage(tmp_path: Path, data_parallel: str) -> None:
     reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel=data_parallel)
     report = reports[2]
@@ -157,6 +161,19 @@ def test_node_loss_takes_each_part_from_its_newest_surviving_copy(tmp_path: Path
     assert mixed, "some expert's non-PEC part is newer than its PEC part"
     levels = {p["level"] for s in experts.values() for p in s["parts"].values()}
     assert "storage" in levels and levels & {"memory_local", "memory_peer"}, levels
+
+
+def test_node_loss_under_fsdp2_takes_every_unit_from_storage(tmp_path: Path) -> None:
+    """FSDP2 shards every unit over both nodes (dense over all 4 ranks, each expert over its 2 replicas, one per node):
+    when a node is lost, no unit is whole in memory any more, so every unit comes from storage whole (the persist of
+    step 15), none half from the surviving node's slots; bitwise, with PLT by hand and equal to storage-only PLT."""
+    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel="fsdp2")
+    for report in reports:
+        assert report["resume_step"] == 15
+        assert {s["level"] for s in report["sources"].values()} <= {"storage", "none"}
+        assert _steps(report) == _steps(reports[0])
+    check_bitwise(tmp_path, reports)
+    assert reports[2]["plt"] == pytest.approx(plt_by_hand(tmp_path, 15, _steps(reports[2])), rel=1e-9)
 
 
 @MODES

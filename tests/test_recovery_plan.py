@@ -68,3 +68,23 @@ def test_each_part_comes_from_the_newest_copy_of_that_part() -> None:
     assert plan.sources["expert/L0/E1/weights"] == Source("memory", 30, rank=0, slot=0)
     assert plan.sources["expert/L0/E1/optimizer"] == Source("storage", 10, checkpoint="step_10")
     assert plan.unit_source("dense/a") == Source("memory", 30, rank=0, slot=0)
+
+
+def test_a_unit_in_pieces_is_in_memory_only_where_every_holder_has_its_piece() -> None:
+    """FSDP2: every holder keeps its own piece of a unit. A step is in memory for a unit only when all its holders'
+    slots of that step have it; then each takes its own piece (one source, no rank). A unit one holder lost comes
+    from storage whole, not half from memory."""
+    holders = {unit: (0, 1) for unit in DENSE + EXPERTS}
+    manifest = _manifest((10, DENSE + ["expert/L0/E0"]))
+    both = DENSE + ["expert/L0/E1", "expert/L0/E2"]
+    slots = [_slot(0, 0, 20, both), _slot(1, 0, 20, both + ["expert/L0/E3"]), _slot(0, 1, 30, DENSE)]
+    plan = plan_recovery(DENSE, EXPERTS, slots, manifest, holders)
+    assert plan.resume_step == 20, "step 30 is on rank 0 only: its dense units are not whole anywhere"
+    assert plan.unit_source("dense/a") == Source("memory", 20, pieces=True)
+    assert plan.unit_source("dense/a").describe(1) == "memory_local"
+    assert plan.unit_source("expert/L0/E1") == Source("memory", 20, pieces=True)
+    assert plan.unit_source("expert/L0/E3") == Source("none", NEVER), "rank 0's piece of it was never snapshotted"
+    assert plan.unit_source("expert/L0/E0") == Source("storage", 10, checkpoint="step_10")
+    lost = plan_recovery(DENSE, EXPERTS, [s for s in slots if s.rank == 0], manifest, holders)
+    assert lost.resume_step == 10
+    assert {s.level for s in lost.sources.values()} == {"storage", "none"}

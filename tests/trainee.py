@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
+from moc_lightning.models.sharded import data_parallel_meshes, shard_gpt_moe
+from moc_lightning.pieces import piece
 from moc_lightning.storage import make_storage
 from moc_lightning.zero import ZeroAdamW, partition_by_units
 
@@ -19,10 +22,15 @@ BATCH = 8
 
 class Trainee:
     """A model, its optimizer and the router counts of every step, as a test records them by hand. ``zero``:
-    ZeRO-2 (:class:`ZeroAdamW`, each parameter's state on one of its holders) instead of DDP's replicated state."""
+    ZeRO-2 (:class:`ZeroAdamW`, each parameter's state on one of its holders) instead of DDP's replicated state;
+    ``fsdp2``: FSDP2 ``fully_shard`` over all ranks (parameters and optimizer state are DTensors)."""
 
-    def __init__(self, topology: ExpertParallelTopology, seed: int = 0, zero: bool = False) -> None:
+    def __init__(self, topology: ExpertParallelTopology, seed: int = 0, zero: bool = False, fsdp2: bool = False) -> None:
         self.model = GPTMoE(TINY, topology, seed=seed)
+        self.fsdp2 = fsdp2
+        if fsdp2:
+            dense, experts = data_parallel_meshes(topology.world_size, topology.world_size, topology.ep, "cpu")
+            shard_gpt_moe(self.model, dense, experts, MixedPrecisionPolicy())
         if zero:
             partition = partition_by_units(build_layout(self.model, None, expert_parallel=topology.ep), topology)
             self.optimizer: torch.optim.Optimizer = ZeroAdamW(self.model.parameters(), partition, lr=1e-2)
@@ -40,11 +48,12 @@ class Trainee:
         _, loss, _ = self.model(mine[:, :-1], mine[:, 1:])
         self.optimizer.zero_grad()
         loss.backward()
-        for name, p in self.model.named_parameters():
-            if ".experts." not in name and topo.world_size > 1:
-                dist.all_reduce(p.grad)
-                p.grad /= topo.world_size
-        self.model.reduce_expert_gradients()
+        if not self.fsdp2:  # FSDP2 has reduce-scattered every gradient in backward
+            for name, p in self.model.named_parameters():
+                if ".experts." not in name and topo.world_size > 1:
+                    dist.all_reduce(p.grad)
+                    p.grad /= topo.world_size
+            self.model.reduce_expert_gradients()
         self.optimizer.step()
         counts, assigned = [], []
         for layer in self.model.moe_layers():
@@ -63,8 +72,14 @@ class Trainee:
         return PECCheckpointer(cfg, layout, self.model.topology, make_storage(cfg.storage.backend, url))
 
     def snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of this rank's tensors of every unit it holds (of a DTensor, its local piece)."""
         layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
-        return {k: v.clone() for k, v in layout.tensors().items()}
+        return {k: piece(v).clone() for k, v in layout.tensors().items()}
+
+    def full_snapshot(self) -> dict[str, torch.Tensor]:
+        """As :meth:`snapshot`, a DTensor all-gathered whole (collective): a test's oracle, never a checkpoint's."""
+        layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
+        return {k: (v.full_tensor() if v is not piece(v) else v).clone() for k, v in layout.tensors().items()}
 
 
 def every_step_config(k_snapshot: int, k_persist: int, **kw) -> CheckpointConfig:
@@ -80,28 +95,48 @@ def every_step_config(k_snapshot: int, k_persist: int, **kw) -> CheckpointConfig
 
 
 def train_and_checkpoint(
-    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem", zero: bool = False
+    rank: int,
+    world_size: int,
+    url: str,
+    ep: int | None = None,
+    backend: str = "filesystem",
+    zero: bool = False,
+    fsdp2: bool = False,
 ) -> dict:
-    """Six steps with PEC checkpoints (K=4 of 8) at steps 2 and 4, which save disjoint expert subsets."""
+    """Six steps with PEC checkpoints (K=4 of 8) at steps 2 and 4, which save disjoint expert subsets.
+
+    ``captured``: this rank's tensors at each checkpoint (local pieces under ``fsdp2``); under ``fsdp2`` also
+    ``captured_full``, the whole tensors (all-gathered for the test's oracle)."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
-    trainee = Trainee(topology, zero=zero)
+    trainee = Trainee(topology, zero=zero, fsdp2=fsdp2)
     engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url)
-    captured, saved = {}, {}
+    captured, full, saved = {}, {}, {}
     for step in range(1, 7):
         trainee.step(step)
         engine.record_tokens(trainee.model.moe_layers())
         if step in (2, 4):
             report = engine.checkpoint(step)
             captured[step] = trainee.snapshot()
+            if fsdp2:
+                full[step] = trainee.full_snapshot()
             saved[step] = [u for u in report.units if u.startswith("expert/")]
-    return {"captured": captured, "saved": saved, "counts": trainee.counts, "assigned": trainee.assigned}
+    result = {"captured": captured, "saved": saved, "counts": trainee.counts, "assigned": trainee.assigned}
+    return result | ({"captured_full": full} if fsdp2 else {})
 
 
 def load_fresh(
-    rank: int, world_size: int, url: str, ep: int | None = None, backend: str = "filesystem", zero: bool = False
+    rank: int,
+    world_size: int,
+    url: str,
+    ep: int | None = None,
+    backend: str = "filesystem",
+    zero: bool = False,
+    fsdp2: bool = False,
 ) -> dict:
-    """A differently initialised model restored from storage: what it loaded and from which steps."""
+    """A differently initialised model restored from storage: what it loaded (local pieces under ``fsdp2``, and in
+    ``loaded_full`` the whole tensors, all-gathered for the test's oracle) and from which steps."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
-    fresh = Trainee(topology, seed=1, zero=zero)
+    fresh = Trainee(topology, seed=1, zero=zero, fsdp2=fsdp2)
     load = fresh.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url).load_latest()
-    return {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
+    result = {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
+    return result | ({"loaded_full": fresh.full_snapshot()} if fsdp2 else {})

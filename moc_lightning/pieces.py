@@ -1,0 +1,78 @@
+"""Pieces of sharded state (FSDP2 ``fully_shard``): what a rank holds of a unit when its parameters are DTensors.
+
+Under ``trainer.data_parallel=fsdp2`` every parameter, and every optimizer state shaped like it, is a DTensor
+sharded along dim 0 over its mesh: the rank holds one *piece* of it, its local shard, and no other rank holds
+that piece. So nothing of it is replicated and nothing is split by ownership: every holder of a unit snapshots
+its pieces and writes them itself, as DTensors, so that DCP records each piece's offsets in the whole tensor and
+a load under any other world size or mode reshards (:func:`as_dtensors` describes a snapshot slot's local pieces
+so again). Only plain tensors beside them (Adam's scalar ``step``, kept alike by every holder) are replicated;
+the unit's first holder writes them. A unit comes back from memory only when every holder's piece survived
+(:mod:`moc_lightning.recovery`). Nothing is all-gathered.
+
+HSDP (a ``Replicate`` mesh dimension) and tensor parallelism are refused: their pieces are replicated across
+groups, which this module does not split over their holders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+SHARDED_MODES = "trainer.data_parallel=ddp, zero2 and fsdp2"
+"""The modes MoC checkpoints, as the refusals name them."""
+
+
+def piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor``: a DTensor's local shard (sharing its storage), a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def has_dtensors(params: Iterable[nn.Parameter]) -> bool:
+    """Whether any parameter is a DTensor (the model is sharded by FSDP2)."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def check_supported(named: Mapping[str, torch.Tensor], owner: str = "the model") -> None:
+    """Refuse DTensor parameters that are not sharded along dim 0 on every mesh dimension (HSDP's ``Replicate``,
+    tensor parallelism's other dims): their pieces are replicated or split in ways MoC does not write."""
+    for name, tensor in named.items():
+        if isinstance(tensor, DTensor) and any(p != Shard(0) for p in tensor.placements):
+            raise ValueError(
+                f"{owner} has DTensor parameter {name!r} with placements {tuple(tensor.placements)}; MoCCheckpoint "
+                f"supports {SHARDED_MODES} (DTensors sharded along dim 0 only). HSDP (trainer.data_parallel=hsdp, a "
+                "replicated mesh dimension) and tensor parallelism are not supported yet: train them with "
+                "checkpoint.enabled=false (no MoCCheckpoint)"
+            )
+
+
+def as_dtensors(local: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``local`` pieces (a snapshot slot's) as DTensors placed as the live tensors in ``like`` are, so that DCP
+    writes them at their offsets; keys whose live tensor is plain are kept as they are. No communication."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in local.items():
+        live = like.get(key)
+        if isinstance(live, DTensor):
+            tensor = DTensor.from_local(
+                tensor, live.device_mesh, live.placements, run_check=False, shape=live.shape, stride=live.stride()
+            )
+        out[key] = tensor
+    return out
+
+
+def gather_holders(held: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """Unit key -> the ranks holding a piece of it, from every rank's ``held`` unit keys (collective over the
+    default group, on the training thread)."""
+    mine = sorted(held)
+    parts: list[list[str]] = [mine]
+    if dist.is_initialized():
+        parts = [[]] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    holders: dict[str, list[int]] = {}
+    for rank, keys in enumerate(parts):
+        for key in keys:
+            holders.setdefault(key, []).append(rank)
+    return {key: tuple(ranks) for key, ranks in holders.items()}
