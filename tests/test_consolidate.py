@@ -262,16 +262,20 @@ class StackedExperts(nn.Module):
         return torch.einsum("i,ij,ejk->", x, self.embed, self.moe.experts.w).square()
 
 
-@pytest.mark.parametrize("backend", ["filesystem", "tensorstore"])
-def test_stacked_experts_are_restacked_in_expert_order(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "scope"),
+    [("filesystem", "both"), ("tensorstore", "both"), ("filesystem", "optimizer"), ("filesystem", "weights")],
+)
+def test_stacked_experts_are_restacked_in_expert_order(tmp_path: Path, backend: str, scope: str) -> None:
+    """Under a partial scope a stacked tensor's slices, and their optimizer state, come from several steps."""
     url = tmp_path.as_uri()
-    run = _engine_run(StackedExperts(seed=0), url, k=2, backend=backend)  # every expert stored once in steps 1-4
+    run = _engine_run(StackedExperts(seed=0), url, k=2, backend=backend, pec_scope=scope)  # all stored in steps 1-4
     for step in range(1, 6):
         run.optimizer.zero_grad()
         run.model.loss(step).backward()
         run.optimizer.step()
         run.engine.checkpoint(step)
-    restored = _engine_run(StackedExperts(seed=1), url, k=2, backend=backend)
+    restored = _engine_run(StackedExperts(seed=1), url, k=2, backend=backend, pec_scope=scope)
     restored.engine.load_latest()
     consolidate(url, tmp_path / "dense.ckpt", progress=False)
     ckpt = torch.load(tmp_path / "dense.ckpt", weights_only=True)
