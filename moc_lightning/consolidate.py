@@ -5,9 +5,10 @@ experts per MoE layer, older ones hold the others. Tools outside MoC (Lightning,
 evaluation scripts) want one file under the model's own parameter names. This module takes every dense
 unit from the latest checkpoint and each part of every expert (weights, optimizer state: under
 ``checkpoint.pec_scope`` other than ``both`` a checkpoint holds one part of some experts) from the newest
-checkpoint that holds it (the choice :meth:`PECCheckpointer.load_latest` makes), reads those tensors with DCP (whatever world size and EP
-degree wrote them: chunks are merged), maps unit keys back to parameter names with the map every
-checkpoint's ``moc.json`` carries, re-stacks stacked expert tensors, and writes one of:
+checkpoint that holds it (the choice :meth:`PECCheckpointer.load_latest` makes), reads those tensors with
+DCP (whatever world size and EP degree wrote them: chunks are merged), maps unit keys back to parameter
+names with the map every checkpoint's ``moc.json`` carries, re-stacks stacked expert tensors, and writes
+one of:
 
 - ``lightning``: a ``torch.save``d Lightning-shaped checkpoint (``state_dict``, ``global_step``, ...)
   plus the optimizer state by parameter name; it loads with ``torch.load(..., weights_only=True)``.
@@ -175,8 +176,8 @@ class StorageRoot:
 
 def read_parts(reader: StorageReader, parts: frozenset[str]) -> dict[str, torch.Tensor]:
     """Every stored tensor of ``parts`` (part keys) in one checkpoint, whole: sized from its metadata, filled by
-    DCP. A weights part without a tensor is damage; an optimizer part may have none (a parameter saved before
-    its first step has no state), as :meth:`PECCheckpointer.load_from_storage` allows."""
+    DCP. A weights part without a tensor is damage; an optimizer part may have none (a parameter not yet
+    updated has no state), as :meth:`PECCheckpointer.load_from_storage` allows."""
     metadata = reader.read_metadata().state_dict_metadata
     tensors = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)

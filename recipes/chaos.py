@@ -36,7 +36,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit("give trials=N (seeds seed, seed+1, ...) or seeds=a,b,...")
     out = Path(args["out"])
     out.parent.mkdir(parents=True, exist_ok=True)  # before the first trial: a bad out= fails now, not after it
-    cfg = TrialConfig(max_steps=int(args["max_steps"]), data_parallel=args["data_parallel"], pec_scope=args["pec_scope"])
+    cfg = TrialConfig(
+        max_steps=int(args["max_steps"]), data_parallel=args["data_parallel"], pec_scope=args["pec_scope"]
+    )
     root = Path(args["work"])
     root.mkdir(parents=True, exist_ok=True)
     reference = reference_records(root, cfg)

@@ -132,7 +132,8 @@ def test_each_part_comes_from_its_newest_stored_copy_under_a_partial_scope(tmp_p
     run = _lightning_run(url, pec_scope=scope)
     _train(run, steps=4, checkpoint_steps=CHECKPOINT_STEPS)
     at_4 = {name: p.detach().clone() for name, p in run.model.named_parameters()}
-    state_at_4 = {name: {k: t.clone() for k, t in run.optimizer.state[p].items()} for name, p in run.model.named_parameters()}
+    state_at_4 = {name: {k: t.clone() for k, t in run.optimizer.state[p].items()}
+                  for name, p in run.model.named_parameters()}
     restored = _lightning_run(url, seed=1, pec_scope=scope)
     restored.engine.load_latest()
 
