@@ -3,10 +3,12 @@
 PEC spreads the newest model over several checkpoints: the latest holds every dense unit but only K
 experts per MoE layer, older ones hold the others. Tools outside MoC (Lightning, inference servers,
 evaluation scripts) want one file under the model's own parameter names. This module takes every dense
-unit from the latest checkpoint and every expert from the newest checkpoint that holds it (the choice
-:meth:`PECCheckpointer.load_latest` makes), reads those tensors with DCP (whatever world size and EP
-degree wrote them: chunks are merged), maps unit keys back to parameter names with the map every
-checkpoint's ``moc.json`` carries, re-stacks stacked expert tensors, and writes one of:
+unit from the latest checkpoint and each part of every expert (weights, optimizer state: under
+``checkpoint.pec_scope`` other than ``both`` a checkpoint holds one part of some experts) from the newest
+checkpoint that holds it (the choice :meth:`PECCheckpointer.load_latest` makes), reads those tensors with
+DCP (whatever world size and EP degree wrote them: chunks are merged), maps unit keys back to parameter
+names with the map every checkpoint's ``moc.json`` carries, re-stacks stacked expert tensors, and writes
+one of:
 
 - ``lightning``: a ``torch.save``d Lightning-shaped checkpoint (``state_dict``, ``global_step``, ...)
   plus the optimizer state by parameter name; it loads with ``torch.load(..., weights_only=True)``.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,7 @@ from moc_lightning import hf_format
 from moc_lightning.checkpointer import MANIFEST, UnreadableCheckpoint, read_description, read_manifest
 from moc_lightning.layout import buffer_key, param_key
 from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
+from moc_lightning.parts import PARTS, part_key, part_key_of, split_part_key
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
@@ -64,41 +68,63 @@ class ConsolidateError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """Which checkpoint each unit is read from."""
+    """Which checkpoint each part of each unit is read from."""
 
     step: int
     """Step of the latest checkpoint: the step the dense result stands for."""
     sources: Mapping[str, CheckpointRecord]
-    """Unit key -> the checkpoint holding its newest stored version."""
+    """Part key (``expert/L0/E3/weights``) -> the checkpoint holding that part's newest stored version."""
     missing: tuple[str, ...]
-    """Experts that no listed checkpoint holds."""
+    """What no listed checkpoint holds: an expert's key when neither part of it is stored, a part key when
+    only that part is not (``pec_scope`` with ``complete_first_persist=false``)."""
 
     def reads(self) -> list[tuple[CheckpointRecord, frozenset[str]]]:
-        """Each checkpoint to read, oldest first, with the units taken from it."""
+        """Each checkpoint to read, oldest first, with the part keys taken from it."""
         records = sorted(set(self.sources.values()), key=lambda r: r.step)
-        return [(r, frozenset(u for u, s in self.sources.items() if s == r)) for r in records]
+        return [(r, frozenset(k for k, s in self.sources.items() if s == r)) for r in records]
 
     def provenance(self) -> dict[str, Any]:
-        """Where the dense checkpoint came from, written into every format so it stays traceable."""
-        return {
+        """Where the dense checkpoint came from, written into every format so it stays traceable.
+
+        ``source_steps`` gives each unit one step, its stalest stored part's (the step its lost tokens count
+        from, as in ``moc_recovery``'s ``sources``): where every unit came whole from one checkpoint this is
+        the format written before parts existed. ``part_steps`` is added only for the units whose parts came
+        from different checkpoints (``pec_scope`` other than ``both``): ``{unit: {part: step}}``.
+        """
+        steps: dict[str, dict[str, int]] = {}
+        for key, record in sorted(self.sources.items()):
+            unit, part = split_part_key(key)
+            steps.setdefault(unit, {})[part] = record.step
+        provenance: dict[str, Any] = {
             "step": self.step,
-            "source_steps": {unit: record.step for unit, record in sorted(self.sources.items())},
+            "source_steps": {unit: min(parts.values()) for unit, parts in steps.items()},
             "missing": list(self.missing),
         }
+        mixed = {unit: parts for unit, parts in steps.items() if len(set(parts.values())) > 1}
+        if mixed:
+            provenance["part_steps"] = mixed
+        return provenance
 
 
 def plan(manifest: Manifest, num_experts: Sequence[int]) -> Plan:
-    """Dense units from the latest checkpoint, each expert from the newest checkpoint holding it."""
+    """Dense units from the latest checkpoint, each part of each expert from the newest checkpoint holding it
+    (whole or that part alone): the sources a storage-only recovery (:meth:`PECCheckpointer.load_latest`) takes."""
     latest = manifest.latest
     if latest is None:
         raise ValueError("a plan needs a manifest that lists at least one checkpoint")
     dense = [u for u in latest.units if isinstance(parse_unit(u), DenseUnit)]
     experts = [ExpertUnit(layer, e).key for layer, n in enumerate(num_experts) for e in range(n)]
-    newest = {unit: manifest.newest(unit) for unit in dense + experts}
+    newest = {part_key(u, part): manifest.newest(u, part=part) for u in dense + experts for part in PARTS}
+    missing: list[str] = []
+    for unit in experts:
+        gone = [part_key(unit, part) for part in PARTS if newest[part_key(unit, part)] is None]
+        missing += [unit] if len(gone) == len(PARTS) else gone
+    weightless = {unit for unit in experts if newest[part_key(unit, "weights")] is None}
     return Plan(
         step=latest.step,
-        sources={unit: record for unit, record in newest.items() if record is not None},
-        missing=tuple(unit for unit, record in newest.items() if record is None),
+        # an optimizer state without its parameter has no name in a dense checkpoint: it is left out with it
+        sources={k: r for k, r in newest.items() if r is not None and split_part_key(k)[0] not in weightless},
+        missing=tuple(missing),
     )
 
 
@@ -148,17 +174,19 @@ class StorageRoot:
         return self._storages[backend]
 
 
-def read_units(reader: StorageReader, units: frozenset[str]) -> dict[str, torch.Tensor]:
-    """Every stored tensor of ``units`` in one checkpoint, whole: sized from its metadata, filled by DCP."""
+def read_parts(reader: StorageReader, parts: frozenset[str]) -> dict[str, torch.Tensor]:
+    """Every stored tensor of ``parts`` (part keys) in one checkpoint, whole: sized from its metadata, filled by
+    DCP. A weights part without a tensor is damage; an optimizer part may have none (a parameter not yet
+    updated has no state), as :meth:`PECCheckpointer.load_from_storage` allows."""
     metadata = reader.read_metadata().state_dict_metadata
     tensors = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items()
-        if isinstance(meta, TensorStorageMetadata) and parse_unit(key).key in units  # not the ranks' own states
+        if isinstance(meta, TensorStorageMetadata) and part_key_of(key) in parts  # not the ranks' own states
     }
-    absent = units - {parse_unit(key).key for key in tensors}
+    absent = {k for k in parts if split_part_key(k)[1] == "weights"} - {part_key_of(key) for key in tensors}
     if absent:
-        raise ConsolidateError(f"the manifest says units {sorted(absent)[:5]} are stored, but no tensor of theirs is")
+        raise ConsolidateError(f"the manifest says parts {sorted(absent)[:5]} are stored, but no tensor of theirs is")
     dcp.load(tensors, storage_reader=reader, no_dist=True)
     return tensors
 
@@ -198,12 +226,20 @@ def place(tensors: Mapping[str, torch.Tensor], params: Mapping[str, Any], record
 
 
 def read_pieces(root: StorageRoot, chosen: Plan, progress: bool = True) -> list[Piece]:
-    """Read every planned unit, one checkpoint at a time."""
+    """Read every planned part, one checkpoint at a time.
+
+    A tensor is routed by the parameter map of the checkpoint it is read from, else by another's: a map names
+    the weights its checkpoint holds only, so an optimizer part stored alone (``pec_scope=weights``) is routed
+    by the map of a checkpoint holding its weights (a unit's map does not change within a run).
+    """
+    reads = chosen.reads()
+    maps = [root.layout(record)["params"] for record, _ in reads]
     pieces: list[Piece] = []
-    for record, units in tqdm(chosen.reads(), desc="moc-consolidate", unit="checkpoint", disable=not progress):
-        params = root.layout(record)["params"]
+    for (record, parts), own in tqdm(zip(reads, maps), desc="moc-consolidate", unit="checkpoint", total=len(reads),
+                                     disable=not progress):
+        params = ChainMap(own, *maps)
         try:
-            tensors = read_units(root.reader(record), units)
+            tensors = read_parts(root.reader(record), parts)
         except (CheckpointException, CorruptCheckpointError) as err:  # DCP wraps the reader's report
             corrupt = corrupt_from(err)
             if corrupt is None:
@@ -352,8 +388,8 @@ def consolidate(
     chosen = plan(manifest, num_experts)
     if chosen.missing and not allow_missing:
         raise ConsolidateError(
-            f"experts {list(chosen.missing)} were never stored, so no dense checkpoint holds the whole model; "
-            "pass --allow-missing to write one without them"
+            f"experts {list(chosen.missing)} were never stored (a part key: only that part of the expert), so no "
+            "dense checkpoint holds the whole model; pass --allow-missing to write one without them"
         )
     dense = assemble(
         read_pieces(root, chosen, progress),

@@ -2,7 +2,7 @@
 damaged stored files; after every recovery the restored state, the data order and completion are checked.
 
     python recipes/chaos.py trials=20 out=chaos.json [seed=0] [work=/tmp/moc_chaos] [max_steps=24] [keep=0]
-                            [data_parallel=ddp|zero2]
+                            [data_parallel=ddp|zero2] [pec_scope=both|optimizer|weights]
     python recipes/chaos.py seeds=111,118 out=chaos.json      # rerun chosen trials
 
 Trial ``i`` draws its faults from seed ``seed + i``; ``seeds`` runs exactly those (a failing trial's seed
@@ -23,8 +23,9 @@ from moc_lightning.cli import parse_key_values
 
 def main(argv: list[str]) -> int:
     args = parse_key_values(
-        argv, {"trials", "seeds", "out", "seed", "work", "max_steps", "keep", "data_parallel"},
-        defaults={"seed": "0", "work": "/tmp/moc_chaos", "max_steps": "24", "keep": "0", "data_parallel": "ddp"},
+        argv, {"trials", "seeds", "out", "seed", "work", "max_steps", "keep", "data_parallel", "pec_scope"},
+        defaults={"seed": "0", "work": "/tmp/moc_chaos", "max_steps": "24", "keep": "0", "data_parallel": "ddp",
+                  "pec_scope": "both"},
         required=["out"],
     )  # fmt: skip
     if "seeds" in args:
@@ -35,7 +36,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit("give trials=N (seeds seed, seed+1, ...) or seeds=a,b,...")
     out = Path(args["out"])
     out.parent.mkdir(parents=True, exist_ok=True)  # before the first trial: a bad out= fails now, not after it
-    cfg = TrialConfig(max_steps=int(args["max_steps"]), data_parallel=args["data_parallel"])
+    cfg = TrialConfig(
+        max_steps=int(args["max_steps"]), data_parallel=args["data_parallel"], pec_scope=args["pec_scope"]
+    )
     root = Path(args["work"])
     root.mkdir(parents=True, exist_ok=True)
     reference = reference_records(root, cfg)

@@ -148,6 +148,44 @@ def test_restore_check_fails_a_never_saved_unit_that_is_not_initial_or_has_state
     assert "differs" in check_restore({0: _run(6, sources, restored)}, never_saved=True)[0]
 
 
+def _part_sources(weights: int, optimizer: int) -> dict[str, Any]:
+    """A report entry under ``pec_scope`` other than ``both``: each part's own source, the unit's the stalest."""
+    parts = {"weights": {"level": "memory_local", "step": weights, "rank": 0},
+             "optimizer": {"level": "storage", "step": optimizer, "rank": None}}
+    return {**min(parts.values(), key=lambda p: p["step"]), "parts": parts}
+
+
+def test_restore_check_takes_each_part_from_its_own_source_step() -> None:
+    """``pec_scope=optimizer``: expert E1's weights come from step 6, its optimizer state from step 3. The
+    check holds each part to its own step: right there, it passes; E1 whole at step 3 (the unit's own, stalest
+    step) or whole at step 6 is caught, naming the part."""
+    optim = "optim/model.blocks.1.moe.experts.1.fc.weight/exp_avg"
+    right = {**_digests(6), optim: _digests(3)[optim]}
+    recs = _run(6, SOURCES, restored=right)
+    recs[-1]["report"]["sources"]["expert/L0/E1"] = _part_sources(weights=6, optimizer=3)
+    assert check_restore({0: recs}) == []
+    recs[-1]["digests"] = _digests(6, SOURCES)  # E1 whole at step 3: its weights are stale
+    failures = check_restore({0: recs})
+    assert len(failures) == 1 and "expert/L0/E1 weights (source step 6, level memory_local)" in failures[0], failures
+    recs[-1]["digests"] = _digests(6)  # E1 whole at step 6: its optimizer state is not the one stored
+    failures = check_restore({0: recs})
+    assert len(failures) == 1 and "expert/L0/E1 optimizer (source step 3, level storage)" in failures[0], failures
+
+
+def test_a_part_never_saved_is_the_initial_state_and_the_other_part_its_step() -> None:
+    """``pec_scope=optimizer`` with no complete first persist: E1's weights are of step 6, its optimizer state
+    was never saved, so it has none; the never-saved check covers that part only."""
+    optim = "optim/model.blocks.1.moe.experts.1.fc.weight/exp_avg"
+    restored = {k: v for k, v in _digests(6).items() if k != optim}
+    recs = _run(6, SOURCES, restored=restored)
+    recs[-1]["report"]["sources"]["expert/L0/E1"] = _part_sources(weights=6, optimizer=-1)
+    assert check_restore({0: recs}) == [] and check_restore({0: recs}, never_saved=True) == []
+    recs[-1]["digests"] = _digests(6)  # optimizer state made up (or kept) by the recovery
+    assert check_restore({0: recs}) == []
+    failures = check_restore({0: recs}, never_saved=True)
+    assert len(failures) == 1 and "expert/L0/E1 optimizer" in failures[0] and "absent" in failures[0], failures
+
+
 def test_restore_check_fails_missing_units_steps_and_reports() -> None:
     no_router = {k: v for k, v in SOURCES.items() if "router" not in k}
     assert any("does not list" in f for f in check_restore({0: _run(6, no_router)}))
@@ -225,6 +263,12 @@ def test_fault_fires_at_the_nth_occurrence_in_its_incarnation_only(monkeypatch: 
         injector.at("snapshot", step)
         injector.at("train", step)
         assert kills == ([signal.SIGKILL] if step >= 3 else [])
+
+
+def test_trial_config_names_a_bad_pec_scope_and_the_choices() -> None:
+    assert TrialConfig(pec_scope="optimizer").pec_scope == "optimizer"
+    with pytest.raises(ValueError, match="pec_scope='wo' is not allowed; choose one of: both, optimizer, weights"):
+        TrialConfig(pec_scope="wo")
 
 
 def test_drawn_faults_are_seeded() -> None:

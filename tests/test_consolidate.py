@@ -48,19 +48,19 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _engine_run(model: nn.Module, url: str, k: int, backend: str = "filesystem") -> Run:
+def _engine_run(model: nn.Module, url: str, k: int, backend: str = "filesystem", pec_scope: str = "both") -> Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     layout = build_layout(model, optimizer, num_experts=TINY.num_experts)
-    cfg = every_step_config(k, k, storage=StorageConfig(backend=backend))
+    cfg = every_step_config(k, k, storage=StorageConfig(backend=backend), pec_scope=pec_scope)
     engine = PECCheckpointer(cfg, layout, ExpertParallelTopology(), make_storage(backend, url), backend=backend)
     return Run(model, optimizer, engine)
 
 
-def _lightning_run(url: str, seed: int = 0) -> Run:
+def _lightning_run(url: str, seed: int = 0, pec_scope: str = "both") -> Run:
     """The reference ``GPTMoEModule`` as Lightning builds it (parameters named ``model.…``), ep=1, K=4 of 8."""
     module = GPTMoEModule(TINY, seed=seed)
     module.configure_model()
-    return _engine_run(module, url, k=4)
+    return _engine_run(module, url, k=4, pec_scope=pec_scope)
 
 
 def _train(run: Run, steps: int, checkpoint_steps: tuple[int, ...]) -> None:
@@ -123,6 +123,35 @@ def test_lightning_format_loads_strictly_with_the_restored_loss(trained: tuple[s
     assert {s for u, s in source_steps.items() if u.startswith("dense/")} == {4}
 
 
+@pytest.mark.parametrize("scope", ["optimizer", "weights"])
+def test_each_part_comes_from_its_newest_stored_copy_under_a_partial_scope(tmp_path: Path, scope: str) -> None:
+    """Under ``pec_scope=optimizer`` (``weights``) the checkpoints of steps 2 and 4 hold 4 of 8 experts whole and
+    the other part (weights, optimizer state) of the rest: every expert's other part is of step 4, also for the
+    experts last stored whole at step 2. The dense result is what a storage-only recovery restores, bitwise."""
+    url = (tmp_path / "ckpt").as_uri()
+    run = _lightning_run(url, pec_scope=scope)
+    _train(run, steps=4, checkpoint_steps=CHECKPOINT_STEPS)
+    at_4 = {name: p.detach().clone() for name, p in run.model.named_parameters()}
+    state_at_4 = {name: {k: t.clone() for k, t in run.optimizer.state[p].items()}
+                  for name, p in run.model.named_parameters()}
+    restored = _lightning_run(url, seed=1, pec_scope=scope)
+    restored.engine.load_latest()
+
+    provenance = consolidate(url, tmp_path / "dense.ckpt", progress=False)
+    ckpt = torch.load(tmp_path / "dense.ckpt", weights_only=True)
+    _assert_weights_equal(ckpt["state_dict"], restored.model)
+    _assert_optimizer_equal(ckpt[OPTIMIZER_KEY], restored)
+    if scope == "optimizer":
+        assert all(torch.equal(ckpt["state_dict"][name], t) for name, t in at_4.items()), "every weight is of step 4"
+    else:
+        assert all(torch.equal(ckpt[OPTIMIZER_KEY][name][k], t) for name, s in state_at_4.items() for k, t in s.items())
+    other = "weights" if scope == "optimizer" else "optimizer"
+    stale = {u for u, s in provenance["source_steps"].items() if s == 2}
+    assert len(stale) == 2 * 4 and all(u.startswith("expert/") for u in stale)
+    assert provenance["part_steps"] == {u: {scope: 2, other: 4} for u in stale}, "only the units with mixed parts"
+    assert ckpt["moc"] == provenance
+
+
 def test_dcp_format_loads_into_the_model_state_dict(trained: tuple[str, Run], tmp_path: Path) -> None:
     url, restored = trained
     consolidate(url, tmp_path / "dense", "dcp", progress=False)
@@ -156,6 +185,25 @@ def test_never_stored_expert_is_an_error_unless_allowed(tmp_path: Path) -> None:
         layer, expert = unit.removeprefix("expert/L").split("/E")
         block = 2 * int(layer) + 1  # tiny model: every second block is an MoE block
         assert not any(name.startswith(f"model.blocks.{block}.moe.experts.{expert}.") for name in weights)
+
+
+@pytest.mark.parametrize("scope", ["optimizer", "weights"])
+def test_a_never_stored_part_is_named_and_a_weightless_expert_is_left_out_whole(tmp_path: Path, scope: str) -> None:
+    """One checkpoint under a partial scope holds 4 of 8 experts whole and one part of the others: the part
+    never stored is named by its part key; an expert whose weights were never stored is left out with its
+    optimizer state (it has no parameter to belong to), one whose optimizer state was not keeps its weights."""
+    url = (tmp_path / "ckpt").as_uri()
+    _train(_lightning_run(url, pec_scope=scope), steps=1, checkpoint_steps=(1,))
+    with pytest.raises(ConsolidateError, match=rf"experts \[.*'expert/L0/E\d/{scope}'.*\] were never stored"):
+        consolidate(url, tmp_path / "dense.ckpt", progress=False)
+    provenance = consolidate(url, tmp_path / "dense.ckpt", allow_missing=True, progress=False)
+    assert len(provenance["missing"]) == 2 * 4 and all(key.endswith(f"/{scope}") for key in provenance["missing"])
+    ckpt = torch.load(tmp_path / "dense.ckpt", weights_only=True)
+    for key in provenance["missing"]:
+        layer, expert = key.removeprefix("expert/L").split("/")[0:2]
+        prefix = f"model.blocks.{2 * int(layer) + 1}.moe.experts.{expert.removeprefix('E')}."
+        assert any(name.startswith(prefix) for name in ckpt["state_dict"]) == (scope == "optimizer")
+        assert not any(name.startswith(prefix) for name in ckpt[OPTIMIZER_KEY])
 
 
 def test_bad_format_and_missing_manifest_fail_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,16 +263,20 @@ class StackedExperts(nn.Module):
         return torch.einsum("i,ij,ejk->", x, self.embed, self.moe.experts.w).square()
 
 
-@pytest.mark.parametrize("backend", ["filesystem", "tensorstore"])
-def test_stacked_experts_are_restacked_in_expert_order(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "scope"),
+    [("filesystem", "both"), ("tensorstore", "both"), ("filesystem", "optimizer"), ("filesystem", "weights")],
+)
+def test_stacked_experts_are_restacked_in_expert_order(tmp_path: Path, backend: str, scope: str) -> None:
+    """Under a partial scope a stacked tensor's slices, and their optimizer state, come from several steps."""
     url = tmp_path.as_uri()
-    run = _engine_run(StackedExperts(seed=0), url, k=2, backend=backend)  # every expert stored once in steps 1-4
+    run = _engine_run(StackedExperts(seed=0), url, k=2, backend=backend, pec_scope=scope)  # all stored in steps 1-4
     for step in range(1, 6):
         run.optimizer.zero_grad()
         run.model.loss(step).backward()
         run.optimizer.step()
         run.engine.checkpoint(step)
-    restored = _engine_run(StackedExperts(seed=1), url, k=2, backend=backend)
+    restored = _engine_run(StackedExperts(seed=1), url, k=2, backend=backend, pec_scope=scope)
     restored.engine.load_latest()
     consolidate(url, tmp_path / "dense.ckpt", progress=False)
     ckpt = torch.load(tmp_path / "dense.ckpt", weights_only=True)

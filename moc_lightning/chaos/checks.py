@@ -10,6 +10,10 @@
 - ``completes``: the final incarnation ends cleanly with every rank at ``max_steps``;
 - ``no_hang``: no incarnation ran into the harness's timeout or a collective's timeout.
 
+A unit's state has two parts, its weights (parameters, buffers) and its optimizer state; under
+``checkpoint.pec_scope`` other than ``both`` the report gives an expert's ``parts`` their own sources, and each
+part's tensors are checked against the digests of its own step (the learning rates go with the weights).
+
 Units are derived from tensor names here, not by MoC's layout: an expert is ``...experts.<global id>...``
 under a MoE layer whose ordinal is its rank among the MoE layers' prefixes; any other parameter belongs to
 the module one level below the MoE layer (its router) or below the first integer-indexed module (a
@@ -26,12 +30,28 @@ NEVER = -1
 TRAINER_UNIT = "trainer"
 """Pseudo-unit of the learning rates: restored from the resume step."""
 MAX_DETAILS = 40
+PARTS = ("weights", "optimizer")
 
 _EXPERT = re.compile(r"^(?P<layer>.+?)\.experts\.(?P<expert>\d+)\.")
 _UNDER_INDEX = re.compile(r"^(?P<module>.*?\.\d+\.[^.]+)\.")
 
 Records = Mapping[int, Sequence[Mapping[str, Any]]]
 """rank -> that rank's records in file order."""
+
+
+def part_of(key: str) -> str:
+    """The part of its unit a digest key belongs to: ``optimizer`` for ``optim/...``, else ``weights``."""
+    return "optimizer" if key.startswith("optim/") else "weights"
+
+
+def claimed_steps(sources: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], int]:
+    """``(unit, part)`` -> the step a recovery report says that part was restored from: the part's own entry
+    when the unit has ``parts``, else the unit's step for both parts (``pec_scope=both``: whole units)."""
+    return {
+        (unit, part): int(source["parts"][part]["step"] if "parts" in source else source["step"])
+        for unit, source in sources.items()
+        for part in PARTS
+    }
 
 
 def tensor_name(key: str) -> str | None:
@@ -107,41 +127,55 @@ def _check_resume(
         return [f"{where}: trains from step {start['step']} but the report says {report['resume_step']}"]
     restored: Mapping[str, str] = start["digests"]
     prefixes = moe_prefixes(restored)
-    sources = {unit: int(s["step"]) for unit, s in report["sources"].items()}
-    sources[TRAINER_UNIT] = start["step"]
-    sources = {unit: step for unit, step in sources.items() if (step == NEVER) == never_saved}
+    listed = report["sources"]
+    claims = claimed_steps(listed) | {(TRAINER_UNIT, part): start["step"] for part in PARTS}
+    claims = {claim: step for claim, step in claims.items() if (step == NEVER) == never_saved}
     failures = []
-    for unit, step in sorted(sources.items()):
-        if step > start["step"]:
-            failures.append(f"{where}: {unit} reports source step {step}, after the resume step {start['step']}")
+    late = {(_name(claim, listed), step) for claim, step in claims.items() if step > start["step"]}
+    for name, step in sorted(late):
+        failures.append(f"{where}: {name} reports source step {step}, after the resume step {start['step']}")
     expected_by_step: dict[int, Mapping[str, str] | None] = {}
     keys = set(restored)
-    for step in set(sources.values()):
+    for step in set(claims.values()):
         expected_by_step[step] = _expected_state(recs, start["inc"], step)
         if expected_by_step[step] is not None:
-            keys |= {k for k in expected_by_step[step] if sources.get(unit_of(k, prefixes)) == step}
-    wrong: dict[str, list[str]] = {}
+            keys |= {k for k in expected_by_step[step] if claims.get((unit_of(k, prefixes), part_of(k))) == step}
+    wrong: dict[str, list[str]] = {}  # by source: a unit's, or each part's where the report gives parts
     for key in sorted(keys):
         unit = unit_of(key, prefixes)
-        if unit not in report["sources"] and unit != TRAINER_UNIT:
+        if unit not in listed and unit != TRAINER_UNIT:
             if not never_saved:
                 failures.append(f"{where}: {key} belongs to {unit}, which the recovery report does not list")
             continue
-        if unit not in sources:
+        claim = (unit, part_of(key))
+        if claim not in claims:
             continue
-        step = sources[unit]
+        step = claims[claim]
         expected = expected_by_step[step]
         if expected is None:
             failures.append(f"{where}: {key} claims source step {step}, which no earlier incarnation reached")
         elif expected.get(key) != restored.get(key):
             have = "missing" if key not in restored else "differs"
             want = "absent" if key not in expected else "present"
-            wrong.setdefault(unit, []).append(f"{key} {have} (at step {step} it was {want})")
-    for unit, keys_wrong in wrong.items():
+            source = f"{_name(claim, listed)} (source step {step}, level {_level(claim, listed)})"
+            wrong.setdefault(source, []).append(f"{key} {have} (at step {step} it was {want})")
+    for source, keys_wrong in wrong.items():
         more = f" and {len(keys_wrong) - 1} more of its tensors" if len(keys_wrong) > 1 else ""
-        failures.append(f"{where}: {unit} (source step {sources[unit]}, level "
-                        f"{report['sources'].get(unit, {}).get('level', 'n/a')}): {keys_wrong[0]}{more}")
+        failures.append(f"{where}: {source}: {keys_wrong[0]}{more}")
     return failures
+
+
+def _name(claim: tuple[str, str], listed: Mapping[str, Mapping[str, Any]]) -> str:
+    """The unit, and the part when the report gives the unit's parts their own sources."""
+    unit, part = claim
+    return f"{unit} {part}" if "parts" in listed.get(unit, {}) else unit
+
+
+def _level(claim: tuple[str, str], listed: Mapping[str, Mapping[str, Any]]) -> str:
+    """Where the report says the part was restored from (``n/a``: the trainer's learning rates)."""
+    unit, part = claim
+    source = listed.get(unit, {})
+    return source.get("parts", {}).get(part, source).get("level", "n/a")
 
 
 def check_data(records: Records, reference: Records) -> list[str]:

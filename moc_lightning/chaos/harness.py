@@ -30,6 +30,7 @@ from typing import Any
 from moc_lightning.chaos.checks import run_checks
 from moc_lightning.chaos.oracle import INCARNATION_ENV, read_records
 from moc_lightning.faults import FaultPlan
+from moc_lightning.parts import SCOPES
 
 WORLD = 4
 RANKS_PER_NODE = 2
@@ -57,10 +58,15 @@ class TrialConfig:
     pg_timeout: float = 60.0
     data_parallel: str = "ddp"
     """``trainer.data_parallel`` of the job: ``ddp`` or ``zero2`` (each unit's optimizer state on one rank)."""
+    pec_scope: str = "both"
+    """``checkpoint.pec_scope`` of the job: ``both``, ``optimizer`` or ``weights`` (an expert's parts then come
+    from different steps, and the ``restore`` check holds each part to its own)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in CHAOS_MODES:
             raise ValueError(f"data_parallel={self.data_parallel!r} is not allowed; chaos trials run {' or '.join(CHAOS_MODES)}")
+        if self.pec_scope not in SCOPES:
+            raise ValueError(f"pec_scope={self.pec_scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
 
     @property
     def snapshot_steps(self) -> list[int]:
@@ -174,7 +180,7 @@ def run_incarnation(
         "--max-restarts=0", "-m", "moc_lightning.chaos.worker", "--work", str(work), "--shm-root", str(shm_root),
         "--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--persist-every", str(cfg.persist_every),
         "--k-snapshot", str(cfg.k_snapshot), "--k-persist", str(cfg.k_persist), "--pg-timeout", str(cfg.pg_timeout),
-        "--data-parallel", cfg.data_parallel,
+        "--data-parallel", cfg.data_parallel, "--pec-scope", cfg.pec_scope,
     ] + (["--no-moc"] if no_moc else [])  # fmt: skip
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"inc{inc}.log"

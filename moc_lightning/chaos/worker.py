@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout in seconds")
     parser.add_argument("--no-moc", action="store_true", help="train without MoC (the reference run)")
     parser.add_argument("--data-parallel", default="ddp", help="trainer.data_parallel: ddp or zero2")
+    parser.add_argument("--pec-scope", default="both", help="checkpoint.pec_scope: both, optimizer or weights")
     args = parser.parse_args()
     torch.set_num_threads(1)
     callbacks: list[L.Callback] = [Oracle(args.work / "oracle")]
@@ -51,6 +52,7 @@ def main() -> None:
             k_persist=args.k_persist,
             every_n_train_steps=args.every,
             persist_every_n_snapshots=args.persist_every,
+            pec_scope=args.pec_scope,
             storage=StorageConfig(url=(args.work / "ckpt").resolve().as_uri()),
             shm_root=args.shm_root,
             ranks_per_node=2,
