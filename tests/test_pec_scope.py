@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from lightning_run import Recorder, check_sources, fit_or_crash, moc_config
-from trainee import TINY, Trainee, every_step_config
+from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.models import ExpertParallelTopology
@@ -56,17 +56,10 @@ def test_storage_round_trip_restores_each_part_from_its_step_and_counts_plt_by_h
 ) -> None:
     """Checkpoints at steps 2 and 4 (K=4 of 8, disjoint): dense units and each expert's non-PEC part come from
     step 4; the PEC part of an expert not taken at step 4 from step 2, and its tokens of steps 3-4 are lost."""
-    trainee = Trainee(ExpertParallelTopology())
     url = tmp_path.as_uri()
-    engine = trainee.engine(every_step_config(4, 4, pec_scope=scope), url)
-    captured, saved = {}, {}
-    for step in range(1, 7):
-        trainee.step(step)
-        engine.record_tokens(trainee.model.moe_layers())
-        if step in (2, 4):
-            report = engine.checkpoint(step)
-            captured[step] = trainee.snapshot()
-            saved[step] = {u for u in report.units if u.startswith("expert/")}
+    written = train_and_checkpoint(0, 1, url, pec_scope=scope)
+    captured, counts, assigned = written["captured"], written["counts"], written["assigned"]
+    saved = {step: set(units) for step, units in written["saved"].items()}
     assert not saved[2] & saved[4]
 
     fresh = Trainee(ExpertParallelTopology(), seed=1)
@@ -80,9 +73,9 @@ def test_storage_round_trip_restores_each_part_from_its_step_and_counts_plt_by_h
     assert load.sources == {u: (2 if u.startswith("expert/") and u not in saved[4] else 4) for u in load.sources}
     per_layer = []
     for layer in range(2):
-        lost = sum(int(trainee.counts[s - 1][layer][e]) for s in (3, 4) for e in range(TINY.num_experts)
+        lost = sum(int(counts[s - 1][layer][e]) for s in (3, 4) for e in range(TINY.num_experts)
                    if ExpertUnit(layer, e).key not in saved[4])
-        per_layer.append(lost / sum(trainee.assigned[s - 1][layer] for s in (1, 2, 3, 4)))
+        per_layer.append(lost / sum(assigned[s - 1][layer] for s in (1, 2, 3, 4)))
     assert load.plt == pytest.approx(sum(per_layer) / len(per_layer), rel=1e-12) and load.plt > 0
 
 

@@ -102,14 +102,15 @@ def train_and_checkpoint(
     backend: str = "filesystem",
     zero: bool = False,
     fsdp2: bool = False,
+    pec_scope: str = "both",
 ) -> dict:
-    """Six steps with PEC checkpoints (K=4 of 8) at steps 2 and 4, which save disjoint expert subsets.
+    """Six steps with PEC checkpoints (K=4 of 8, ``pec_scope``) at steps 2 and 4, which save disjoint expert subsets.
 
     ``captured``: this rank's tensors at each checkpoint (local pieces under ``fsdp2``); under ``fsdp2`` also
     ``captured_full``, the whole tensors (all-gathered for the test's oracle)."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
     trainee = Trainee(topology, zero=zero, fsdp2=fsdp2)
-    engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url)
+    engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend), pec_scope=pec_scope), url)
     captured, full, saved = {}, {}, {}
     for step in range(1, 7):
         trainee.step(step)
