@@ -53,6 +53,7 @@ from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
 from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
+from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
@@ -99,9 +100,8 @@ METHODS = ("lightning_sync", "lightning_async", "dcp_async", "nvrx_local", "moc_
 PAPER_K = (4, 1)
 """The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
 GB = 1e9
-BENCH_DATA_PARALLEL = ("ddp", "zero2")
-"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (MoC does not yet checkpoint
-``fsdp2``/``hsdp``)."""
+BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
+"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (MoC does not yet checkpoint ``hsdp``)."""
 SETUP = "every method trains the same model from one seed on the same batches"
 K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
 RECOVER_MEASURED = (
@@ -135,8 +135,8 @@ class BenchConfig:
     devices: int = 1
     """Processes, one device each; above 1 the benchmark runs under ``torchrun --nproc-per-node=<devices>``."""
     data_parallel: str = "ddp"
-    """``ddp`` or ``zero2`` (``trainer.data_parallel``): how the processes hold the state. Under ``zero2`` on
-    several processes Lightning's ``ModelCheckpoint`` (rank 0's optimizer state only) is skipped, saying why."""
+    """``ddp``, ``zero2`` or ``fsdp2`` (``trainer.data_parallel``): how the processes hold the state. Under ``zero2``
+    on several processes Lightning's ``ModelCheckpoint`` (rank 0's optimizer state only) is skipped, saying why."""
     out: str = ""
     """JSON result file; empty: ``<run output dir>/bench.json``."""
     work_dir: str = ""
@@ -616,9 +616,10 @@ def _layout(trainer: L.Trainer) -> Layout:
 
 
 def _state_tensors(trainer: L.Trainer) -> list[torch.Tensor]:
-    """Every tensor a full checkpoint holds: weights and optimizer state."""
+    """Every tensor of a full checkpoint this rank holds: weights and optimizer state (its local pieces under
+    ``fsdp2``)."""
     optimizer_state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if torch.is_tensor(t)]
-    return [*trainer.lightning_module.state_dict().values(), *optimizer_state]
+    return [piece(t) for t in (*trainer.lightning_module.state_dict().values(), *optimizer_state)]
 
 
 def _state_bytes(trainer: L.Trainer) -> int:

@@ -75,24 +75,31 @@ def test_quick_preset_reports_every_method(quick_bench: BenchRun) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_under_zero2_measure_moc_beside_dcp_and_skip_what_cannot_save_zero2(tmp_path: Path) -> None:
-    """``devices=2 data_parallel=zero2`` under torchrun: DCP ``async_save`` writes the whole state (each rank its
-    own optimizer partition), MoC K=1 writes eq. 6, and ``ModelCheckpoint`` is skipped with the reason.
+@pytest.mark.parametrize("mode", ["zero2", "fsdp2"])
+def test_two_processes_measure_moc_beside_dcp_and_skip_what_cannot_save_the_mode(tmp_path: Path, mode: str) -> None:
+    """``devices=2`` under torchrun: DCP ``async_save`` writes the whole state (each rank its own optimizer
+    partition, or its FSDP2 shards), MoC K=1 writes eq. 6; ``ModelCheckpoint`` is skipped under zero2 with the
+    reason, and under fsdp2 (``ModelParallelStrategy``'s distributed checkpoint) writes the whole state.
 
-    Failed on 02aaa0c: ``devices`` was not a field of the benchmark's config."""
+    Failed on 02aaa0c (``devices`` was not a field of the benchmark's config) and, for fsdp2, on 2900304
+    (``data_parallel=fsdp2`` refused; then the speed of light copied DTensors into a plain buffer)."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "recipes/bench.py",
-           "model=tiny", "devices=2", "data_parallel=zero2", "steps=8", "every_n_train_steps=4",
+           "model=tiny", "devices=2", f"data_parallel={mode}", "steps=8", "every_n_train_steps=4",
            "methods=[lightning_sync,dcp_async,moc_k1]", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}",
            f"shm_root={tmp_path}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("| method |") == 1, "rank 0 alone reports"
     result = json.loads(out.read_text())
-    assert (result["world_size"], result["data_parallel"]) == (2, "zero2")
+    assert (result["world_size"], result["data_parallel"]) == (2, mode)
     rows = {row["name"]: row for row in result["methods"]}
-    assert "zero2" in rows["lightning_sync"]["skipped"]
-    for name in ("dcp_async", "moc_k1"):
+    measured = ["dcp_async", "moc_k1"]
+    if mode == "zero2":
+        assert "zero2" in rows["lightning_sync"]["skipped"]
+    else:
+        measured.append("lightning_sync")
+    for name in measured:
         row = rows[name]
         assert row["skipped"] is None and row["checkpoints"] == 2 and row["recover_seconds"] > 0, name
         assert row["expected_bytes"] == pytest.approx(row["tensor_bytes_per_checkpoint"], rel=1e-4), name
@@ -106,6 +113,6 @@ def test_devices_must_match_the_processes_that_run(tmp_path: Path) -> None:
 
 
 def test_config_rejects_modes_the_benchmark_cannot_checkpoint() -> None:
-    with pytest.raises(ValueError, match=r"data_parallel='fsdp2' is not supported with recipes/bench.py; "
-                                         r"choose one of: ddp, zero2"):
-        BenchConfig(data_parallel="fsdp2")
+    with pytest.raises(ValueError, match=r"data_parallel='hsdp' is not supported with recipes/bench.py; "
+                                         r"choose one of: ddp, zero2, fsdp2"):
+        BenchConfig(data_parallel="hsdp")
