@@ -47,7 +47,7 @@ from moc_lightning.pieces import as_dtensors, check_supported, gather_holders, p
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
 from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
-from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
+from moc_lightning.sharding import Ownership, ShardingUnit, Topology, plan_ownership
 from moc_lightning.size_model import SizeModel, model_unit_bytes, size_model, stated_state_bytes
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, find_cause
 from moc_lightning.storage.integrity import ListedKeysPlanner
@@ -175,7 +175,9 @@ class PECCheckpointer:
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
         self.state_owners = gather_state_owners(layout)
         """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
-        unit is then snapshotted and written whole there. ``None`` when every holder keeps the state (DDP)."""
+        unit is snapshotted whole there; a persist from the live tensors writes its optimizer state there and splits
+        its replicated weights over their holders (:meth:`_zero_writes`). ``None`` when every holder keeps the state
+        (DDP)."""
         self.piece_holders = gather_holders(u.key for u in layout.units) if layout.sharded else None
         """Under FSDP2 (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the ranks holding a piece of it,
         for every unit of the model; each of them snapshots and writes its own pieces. ``None`` otherwise."""
@@ -589,21 +591,48 @@ class PECCheckpointer:
         self, units: Sequence[Unit], state: dict[str, torch.Tensor], parts: Sequence[str] = ()
     ) -> dict[str, RowRange] | None:
         """Rows of every local tensor this rank writes, from the ownership of ``units`` and of the units of
-        ``parts`` (sized by that part); under ZeRO, the whole tensors of the units whose optimizer state this rank
-        keeps (no other rank holds that state); under FSDP2, its pieces (:meth:`_piece_writes`)."""
+        ``parts`` (sized by that part); under ZeRO, :meth:`_zero_writes`; under FSDP2, its pieces
+        (:meth:`_piece_writes`)."""
         if self.piece_holders is not None:
             return self._piece_writes(state)
-        partial = {parse_unit(u): part for u, part in map(split_part_key, parts)}
-        if self.state_owners is not None:
-            mine = {u.key for u in (*units, *partial) if self.state_owners[u.key] == self.topology.rank}
-            return {k: _whole_rows(t) for k, t in state.items() if parse_unit(k).key in mine}
         if self.cfg.sharding == "dcp_default":
             return None
-        topology = Topology(self.topology.world_size, self.topology.ep)
+        partial = {parse_unit(u): part for u, part in map(split_part_key, parts)}
+        if self.state_owners is not None:
+            return self._zero_writes(units, state, partial)
         sharding_units = tuple(self._sharding_unit(u) for u in units) + tuple(
             self._sharding_unit(u, part) for u, part in partial.items()
         )
-        ownership = plan_ownership(sharding_units, topology, self.cfg.sharding)
+        return self._owned_rows(plan_ownership(sharding_units, self._sharding_topology, self.cfg.sharding), state)
+
+    def _zero_writes(
+        self, units: Sequence[Unit], state: Mapping[str, torch.Tensor], partial: Mapping[Unit, str]
+    ) -> dict[str, RowRange]:
+        """Under ZeRO: the optimizer state of the saved units whose state this rank keeps, whole (no other rank
+        holds it), and the rows of the saved weights that ownership gives it. The weights are replicated over
+        their holders as under DDP, so ``checkpoint.sharding`` splits them as it does there; ``adaptive`` counts
+        the optimizer bytes each owner writes anyway when it places them (the paper's AN, section 4.3)."""
+        saved = [(u, None) for u in units] + list(partial.items())
+        loads = [0] * self.topology.world_size
+        for unit, part in saved:
+            if part != "weights":
+                loads[self.state_owners[unit.key]] += self.unit_nbytes(unit, "optimizer")
+        weights = tuple(self._sharding_unit(u, "weights") for u, part in saved if part != "optimizer")
+        ownership = plan_ownership(weights, self._sharding_topology, self.cfg.sharding, base_loads=loads)
+        writes = self._owned_rows(ownership, {k: t for k, t in state.items() if part_of(k) == "weights"})
+        rank = self.topology.rank
+        for key, tensor in state.items():
+            if part_of(key) == "optimizer" and self.state_owners[parse_unit(key).key] == rank:
+                writes[key] = _whole_rows(tensor)
+        return writes
+
+    @property
+    def _sharding_topology(self) -> Topology:
+        return Topology(self.topology.world_size, self.topology.ep)
+
+    def _owned_rows(self, ownership: Ownership, state: Mapping[str, torch.Tensor]) -> dict[str, RowRange]:
+        """Rows of each tensor in ``state`` that ``ownership`` gives this rank (a scalar whole, to its first row's
+        writer); a key of a unit ``ownership`` does not cover is not written."""
         by_unit: dict[str, list[str]] = {}
         for key in state:
             by_unit.setdefault(parse_unit(key).key, []).append(key)

@@ -424,6 +424,24 @@ _cached_ownership = lru_cache(maxsize=32)(compute_ownership)
 """32 entries hold a full rotation of both levels' selections (ceil(N/K) each) for N <= 16 experts."""
 
 
-def plan_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str = "adaptive") -> Ownership:
-    """Ownership of ``units`` under ``strategy``, reused while the same units and topology come back."""
+@lru_cache(maxsize=32)
+def _adaptive_around(units: tuple[ShardingUnit, ...], topology: Topology, base_loads: tuple[int, ...]) -> Ownership:
+    return equal_experts_ownership(units, topology, label="adaptive", base_loads=base_loads, pour=True)
+
+
+def plan_ownership(
+    units: Sequence[ShardingUnit],
+    topology: Topology,
+    strategy: str = "adaptive",
+    base_loads: Sequence[int] | None = None,
+) -> Ownership:
+    """Ownership of ``units`` under ``strategy``, reused while the same units and topology come back.
+
+    ``base_loads``: bytes each rank writes besides ``units`` (under ZeRO, the optimizer partitions each owner
+    writes itself). ``adaptive`` places the dense units onto the ranks with the fewest bytes counting them, as
+    it counts the experts the selection put on a rank; the other strategies place as they always do.
+    ``rank_bytes`` of the result counts ``units`` only.
+    """
+    if base_loads is not None and strategy == "adaptive":
+        return _adaptive_around(tuple(units), topology, tuple(base_loads))
     return _cached_ownership(tuple(units), topology, strategy)

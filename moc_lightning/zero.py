@@ -9,7 +9,8 @@ holders.
 
 The partition is by unit (:mod:`moc_lightning.layout`): all parameters of a unit share one owner, so a unit's
 optimizer state is whole on one rank and a checkpoint can snapshot and write it there, whole, without
-gathering anything. Units that share a parameter (the experts of a stacked ``[E, ...]`` tensor) form one
+gathering anything; the unit's weights, replicated over its holders, a persist splits over them as under DDP
+(:meth:`moc_lightning.checkpointer.PECCheckpointer._zero_writes`). Units that share a parameter (the experts of a stacked ``[E, ...]`` tensor) form one
 *bundle* and share their owner. Bundles are placed largest first onto the holder with the fewest parameters
 so far (LPT): dense bundles over all ranks, then each expert bundle over its replicas. Every rank computes the
 same answer for what it needs with no communication: the dense placement is the same everywhere, and the
@@ -147,7 +148,7 @@ class ZeroAdamW(torch.optim.AdamW):
 
     def unit_owners(self, layout: Layout) -> dict[Unit, int]:
         """The rank keeping each unit's optimizer state (:meth:`ZeroPartition.unit_owners`): a checkpoint snapshots
-        and writes each unit whole there."""
+        each unit whole there, and writes its optimizer state there."""
         return self.partition.unit_owners(layout)
 
     def state_nbytes(self, param: nn.Parameter, share: int = 1) -> int:

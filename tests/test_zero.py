@@ -14,6 +14,7 @@ from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.storage import make_storage
+from moc_lightning.units import parse_unit
 from moc_lightning.zero import MASTER_DTYPE, ZeroAdamW, partition_by_units
 
 # Capacity large enough that no token is dropped, so EP and non-EP routing agree exactly.
@@ -37,8 +38,9 @@ def _optimizer(model: GPTMoE, cls: type[torch.optim.AdamW], **kw: object) -> tor
 
 def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool = True, url: str | None = None) -> dict:
     """STEPS steps on this rank's share of each batch; dense gradients averaged as DDP would. ``zero=False``:
-    torch's AdamW on every rank, as under DDP. With ``url``, then one K=1 persist there (:func:`_persist`),
-    and one under each partial ``pec_scope`` beside it (``<url>_<scope>``)."""
+    torch's AdamW on every rank, as under DDP. With ``url``, then one K=1 persist there (:func:`_persist`), one
+    under each partial ``pec_scope`` beside it (``<url>_<scope>``) and one with ``checkpoint.sharding=equal``
+    (``<url>_equal``)."""
     topology = ExpertParallelTopology.from_process_group(ep)
     model = GPTMoE(CFG, topology, seed=0).to(dtype)
     if zero:
@@ -63,6 +65,7 @@ def _train(rank: int, world_size: int, ep: int, dtype: torch.dtype, zero: bool =
         "state": {names[p]: {k: (v.dtype, tuple(v.shape)) for k, v in s.items()} for p, s in optimizer.state.items()},
         **(_persist(model, optimizer, url) if url else {}),
         **({"scopes": {s: _persist(model, optimizer, f"{url}_{s}", s) for s in PARTIAL_SCOPES}} if url else {}),
+        **({"equal": _persist(model, optimizer, f"{url}_equal", sharding="equal")} if url else {}),
     }
 
 
@@ -70,21 +73,34 @@ PARTIAL_SCOPES = ("optimizer", "weights")
 """``checkpoint.pec_scope`` values besides ``both``, whose K=1 persists :func:`_train` also writes."""
 
 
-def _persist(model: GPTMoE, optimizer: torch.optim.Optimizer, url: str, scope: str = "both") -> dict:
-    """One K=1 persist under ``pec_scope=scope``: the bytes this rank wrote, the bytes of the units it keeps the
-    state of, and eq. 6."""
+def _persist(
+    model: GPTMoE, optimizer: torch.optim.Optimizer, url: str, scope: str = "both", sharding: str = "adaptive"
+) -> dict:
+    """One K=1 persist under ``pec_scope=scope`` and ``checkpoint.sharding=sharding``: the bytes this rank wrote
+    (as it reports them, and as its data file holds them, optimizer state apart), what it keeps the optimizer state
+    of, whether every weight it wrote is of a unit it holds, and eq. 6."""
     layout = build_layout(model, optimizer, expert_parallel=model.topology.ep)
+    storage = make_storage("filesystem", url)
     engine = PECCheckpointer(
-        every_step_config(1, 1, pec_scope=scope), layout, model.topology, make_storage("filesystem", url),
+        every_step_config(1, 1, pec_scope=scope, sharding=sharding), layout, model.topology, storage,
         process_group=None,
     )
     engine.record_tokens(model.moe_layers())
     report = engine.checkpoint(STEPS)
     rank = model.topology.rank
-    units = [u for u in layout.units if u.key in report.units and engine.state_owners[u.key] == rank]
+    kept = [u for u in layout.units if engine.state_owners[u.key] == rank]
+    units = [u for u in kept if u.key in report.units]
+    parts = engine.partial_parts([parse_unit(key) for key in report.units])
+    with_state = [u for u in kept if u.key in report.units or f"{u.key}/optimizer" in parts]
+    items = storage.reader(report.name).read_metadata().storage_data
+    mine = {index.fqn: info.length for index, info in items.items() if info.relative_path.startswith(f"__{rank}_")}
     return {
         "written": report.bytes_written,
+        "file": sum(mine.values()),
+        "file_optimizer": sum(n for key, n in mine.items() if "/optim/" in key),
         "kept": sum(layout.unit_bytes(u).total for u in units),
+        "kept_optimizer": sum(layout.unit_bytes(u).optimizer for u in with_state),
+        "writes_only_held": all(parse_unit(key) in layout.slots for key in mine),
         "c_pec": engine.size_model().c_pec(1, scope),
         "expected": report.expected_bytes,
     }
@@ -170,25 +186,54 @@ def test_bf16_replicas_stay_equal_and_keep_fp32_state(four_ranks: list[dict]) ->
 
 
 @pytest.mark.slow
-def test_a_k1_persist_writes_each_ranks_kept_units_and_eq6_over_ranks(four_ranks: list[dict]) -> None:
-    """bf16 weights and fp32 master + moments (the paper's 2 + 12 bytes): each rank writes exactly the units whose
-    optimizer state it keeps, whole; summed over ranks, the bytes match eq. 6 at K=1 within 1%."""
-    runs = [r["zero_bf16"] for r in four_ranks]
+@pytest.mark.parametrize("sharding", ["adaptive", "equal"])
+def test_a_k1_persist_splits_the_replicated_weights_and_each_owner_writes_its_state(
+    four_ranks: list[dict], sharding: str
+) -> None:
+    """bf16 weights and fp32 master + moments (the paper's 2 + 12 bytes). The optimizer state of a unit is on its
+    ZeRO owner only, and that rank writes it; the weights are replicated over their holders, so ownership splits
+    them over the holders as under DDP (``checkpoint.sharding``), and the busiest rank writes less than when each
+    owner wrote its units whole. Each rank's data file holds exactly what it reports; summed over ranks, the
+    bytes match eq. 6 at K=1 within 1%."""
+    runs = [r["zero_bf16"] if sharding == "adaptive" else r["zero_bf16"]["equal"] for r in four_ranks]
     for rank, run in enumerate(runs):
-        assert run["written"] == run["kept"] > 0, f"rank {rank} wrote other bytes than its kept units'"
-    total = sum(run["written"] for run in runs)
+        assert run["written"] == run["file"] > 0, f"rank {rank} reports other bytes than its data file holds"
+        assert run["file_optimizer"] == run["kept_optimizer"] > 0, f"rank {rank} wrote other state than it keeps"
+        assert run["writes_only_held"], f"rank {rank} wrote a weight of a unit it does not hold"
+    written = [run["written"] for run in runs]
+    weights = [run["written"] - run["file_optimizer"] for run in runs]
+    whole = [run["kept"] for run in runs]
+    total = sum(written)
     c_pec = runs[0]["c_pec"]
-    print(f"ZeRO-2 bf16 K=1 persist: {[r['written'] for r in runs]} bytes per rank, {total} in all; eq. 6 {c_pec:.0f}")
+    print(f"ZeRO-2 bf16 K=1 persist, sharding={sharding}: per rank {written} bytes (optimizer state "
+          f"{[r['file_optimizer'] for r in runs]} + weights {weights}); owners writing their units whole: {whole}; "
+          f"busiest {max(written)} vs {max(whole)}; {total} in all, eq. 6 {c_pec:.0f}")
+    assert sum(w > 0 for w in weights) > 1, "the replicated weights are split over their holders"
+    assert max(written) < max(whole), "splitting the weights lightens the busiest rank"
     assert total == pytest.approx(c_pec, rel=0.01)
     assert all(run["c_pec"] == c_pec and run["expected"] == total for run in runs), "every rank sees the same eq. 6"
 
 
 @pytest.mark.slow
+def test_adaptive_counts_each_owners_optimizer_state_when_it_places_the_weights(four_ranks: list[dict]) -> None:
+    """``adaptive`` fills the ranks the optimizer partitions and the expert selection leave light: its busiest rank
+    writes no more than ``equal``'s, which places the dense weights ignoring everything else."""
+    adaptive = max(r["zero_bf16"]["written"] for r in four_ranks)
+    equal = max(r["zero_bf16"]["equal"]["written"] for r in four_ranks)
+    print(f"ZeRO-2 bf16 K=1 persist, busiest rank: adaptive {adaptive} bytes, equal {equal}")
+    assert adaptive <= equal
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", PARTIAL_SCOPES)
 def test_a_k1_persist_under_each_pec_scope_matches_its_eq6_over_ranks(four_ranks: list[dict], scope: str) -> None:
-    """``pec_scope=optimizer``/``weights`` in the paper's setting (ZeRO-2, bf16 + fp32 state): each rank writes
-    what it keeps the state of, every expert's non-PEC part included; summed over ranks, eq. 6 of the scope."""
+    """``pec_scope=optimizer``/``weights`` in the paper's setting (ZeRO-2, bf16 + fp32 state): each rank writes the
+    optimizer state it keeps and its share of the replicated weights, every expert's non-PEC part included; summed
+    over ranks, eq. 6 of the scope."""
     runs = [r["zero_bf16"]["scopes"][scope] for r in four_ranks]
+    for rank, run in enumerate(runs):
+        assert run["written"] == run["file"] and run["writes_only_held"], f"rank {rank}"
+        assert run["file_optimizer"] == run["kept_optimizer"], f"rank {rank} wrote other state than it keeps"
     total = sum(run["written"] for run in runs)
     c_pec = runs[0]["c_pec"]
     print(f"ZeRO-2 bf16 K=1 pec_scope={scope}: {[r['written'] for r in runs]} bytes per rank, {total} in all; "
