@@ -47,6 +47,7 @@ from hydra.core.config_store import ConfigStore
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.data import LMDataModule
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.pieces import piece
 from moc_lightning.training import TrainConfig, build_trainer
 
 STATUS_FIELDS = ("RssAnon", "RssShmem", "RssFile", "VmRSS")
@@ -194,6 +195,16 @@ def _flagged(flag: threading.Event) -> Iterator[None]:
         flag.clear()
 
 
+def held_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of state this rank holds, counted from the module and the optimizer directly: its parameters, buffers
+    and optimizer state tensors, of a DTensor (FSDP2) its local piece only (the shard this rank keeps; a DTensor's
+    own ``nbytes`` is the whole tensor's)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(piece(t).nbytes for t in tensors)
+
+
 class MemoryProbe(L.Callback):
     """Samples this rank's memory through ``fit`` and marks the save phases of ``moc``'s engine.
 
@@ -249,16 +260,11 @@ class MemoryProbe(L.Callback):
         self.sampler.stop()
         engine = self.moc.engine
         layout = engine.pec.layout
-        held = {u: layout.unit_bytes(u) for u in layout.units}
-        optimizer = layout.optimizer
-        optimizer_bytes = sum(
-            t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        ) if optimizer is not None else 0
-        module_bytes = sum(p.nbytes for p in pl_module.parameters()) + sum(b.nbytes for b in pl_module.buffers())
+        held = {u: layout.unit_bytes(u, local=True) for u in layout.units}
         stats = engine.stats
         self.report = {
             "rank": trainer.global_rank,
-            "state_bytes": module_bytes + optimizer_bytes,
+            "state_bytes": held_state_bytes(pl_module, layout.optimizer),
             "layout_state_bytes": sum(b.total for b in held.values()),
             "weight_bytes": sum(b.weights + b.buffers for b in held.values()),
             "optimizer_bytes": sum(b.optimizer for b in held.values()),

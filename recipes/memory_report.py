@@ -1,10 +1,11 @@
 """Host memory of MoC's saves, per rank: does a snapshot or a persist grow RSS beyond the shared-memory slots?
 
     python recipes/memory_report.py model=small_16e hydra.run.dir=DIR
+    torchrun --nproc-per-node=2 recipes/memory_report.py trainer.data_parallel=fsdp2 hydra.run.dir=DIR
 
-Trains the reference GPT-MoE on 2 CPU processes under ``trainer.data_parallel=zero2`` for a few steps with
-snapshots and persists, samples ``/proc/self/status`` from a background thread, and prints per rank: the state
-it holds (weights + kept optimizer state), the peak ``RssAnon``/``RssShmem`` of training with no save in flight,
+Trains the reference GPT-MoE on 2 CPU processes under ``trainer.data_parallel=zero2`` (or ``fsdp2``) for a few
+steps with snapshots and persists, samples ``/proc/self/status`` from a background thread, and prints per rank:
+the state it holds (weights + kept optimizer state; under ``fsdp2`` its local pieces), the peak ``RssAnon``/``RssShmem`` of training with no save in flight,
 the peaks during the snapshot copy, the snapshot and the persist, and each one's ``RssAnon`` growth as a % of
 the state (:mod:`moc_lightning.memory_probe`). The JSON goes to ``DIR/memory_report.json``.
 """

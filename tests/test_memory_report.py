@@ -11,10 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_ranks
 from omegaconf import OmegaConf
+from trainee import TINY, Trainee
 
-from moc_lightning.memory_probe import RssSampler, growth_rows
+from moc_lightning.layout import build_layout
+from moc_lightning.memory_probe import RssSampler, growth_rows, held_state_bytes
+from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.gpt_moe import GPTMoE, GPTMoEConfig
+from moc_lightning.pieces import piece
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH = re.compile(
@@ -118,3 +123,26 @@ def test_growth_is_over_the_control_run_s_training_peak_when_given() -> None:
     assert own["snapshot_copy"]["anon_growth"] is None, "a phase without samples is not measured, never 0"
     over_control = growth_rows(run, report(train=10_040, persist=0, final=0, final_rise=0))
     assert over_control["persist"]["anon_growth"] == 10 and over_control["persist"]["anon_growth_pct"] == 1.0
+
+
+def _held_under_fsdp2(rank: int, world_size: int) -> dict:
+    """One FSDP2 step of the tiny model (EP over both ranks, dense state sharded over both): the state this rank holds
+    as the probe counts it; key -> bytes of each tensor it has a piece of, whole, and of its plain (unsharded) ones."""
+    trainee = Trainee(ExpertParallelTopology.from_process_group(), fsdp2=True)
+    trainee.step(1)
+    layout = build_layout(trainee.model, trainee.optimizer, num_experts=TINY.num_experts)
+    return {
+        "held": held_state_bytes(trainee.model, trainee.optimizer),
+        "whole": {k: t.nbytes for k, t in trainee.full_snapshot().items()},
+        "plain": {k: t.nbytes for k, t in layout.tensors().items() if piece(t) is t},
+    }
+
+
+def test_under_fsdp2_a_rank_s_state_is_its_local_pieces(tmp_path: Path) -> None:
+    """A DTensor's ``nbytes`` is the whole tensor's: the probe counts each rank's shard, so the ranks' state adds up to
+    the whole state once, plus every further holder's copy of the plain tensors (Adam's ``step``)."""
+    held = run_ranks(_held_under_fsdp2, 2, tmp_path)
+    whole = sum({k: n for r in held for k, n in r["whole"].items()}.values())
+    plain = sum(sum(r["plain"].values()) for r in held) - sum({k: n for r in held for k, n in r["plain"].items()}.values())
+    print(f"FSDP2, 2 ranks: held {[r['held'] for r in held]} bytes; whole state {whole}, plain copies {plain}")
+    assert sum(r["held"] for r in held) == whole + plain
