@@ -205,6 +205,18 @@ def test_adaptive_fills_the_rank_the_selection_left_light() -> None:
     assert compute_ownership(units, topology, "equal").rank_bytes == (15, 5)  # dense halved, ignoring experts
 
 
+def test_adaptive_fills_around_the_bytes_ranks_write_besides_the_units() -> None:
+    """Under ZeRO each owner writes its optimizer partition itself; ``adaptive`` places the replicated weights around
+    those bytes, ``equal`` and ``rank0`` place them as they always do."""
+    topology = Topology(world_size=2, ep=1)
+    units = [ShardingUnit(f"dense({d})", "dense", 4, 1, topology.ranks()) for d in range(2)]
+    around = plan_ownership(units, topology, "adaptive", base_loads=(8, 0))
+    assert around.rank_bytes == (0, 8), "both weights onto the rank with no optimizer state to write"
+    assert plan_ownership(units, topology, "adaptive", base_loads=(8, 0)) is around, "cached"
+    assert plan_ownership(units, topology, "equal", base_loads=(8, 0)).rank_bytes == (4, 4)
+    assert plan_ownership(units, topology, "rank0", base_loads=(8, 0)).rank_bytes == (8, 0)
+
+
 @settings(max_examples=30, deadline=None)
 @given(layouts())
 def test_rank0_writes_dense_on_rank0_and_experts_in_ep_group0(layout: tuple[tuple[ShardingUnit, ...], Topology]) -> None:
