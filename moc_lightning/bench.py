@@ -1021,6 +1021,7 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         "model": asdict(cfg.model),
         "steps": cfg.steps,
         "every_n_train_steps": cfg.every_n_train_steps,
+        "replay_window": cfg.replay_window,
         "k_scaling": K_SCALING,
         "state_bytes": base.state_bytes,
         "baseline_iter_ms": round(base.iteration_s * 1000, 3),
