@@ -4,9 +4,11 @@ shared-memory root there (issue 14, item 3), as PEC's snapshot slots are.
 A window (:class:`~moc_lightning.replay.WindowRecord`) holds, per iteration, the full state of the units active
 there and the compute weights of the units still frozen; its buffers are allocated at the first window and
 reused. The driver keeps :data:`WINDOWS_KEPT` windows so that the newest complete one stays intact while the next
-is captured. Sizes come before the optimizer's first step, so a unit without optimizer state yet is counted with
-the state the step will create (:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments,
-without its per-parameter 4-byte ``step``), within a few bytes per parameter of what the captures copy.
+is captured. Writing a complete window to storage serializes it into one more window-sized buffer for the length
+of the write; that transient copy is not counted. Sizes come before the optimizer's first step, so a unit without
+optimizer state yet is counted with the state the step will create
+(:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments, without its per-parameter 4-byte
+``step``), within a few bytes per parameter of what the captures copy.
 """
 
 from __future__ import annotations
