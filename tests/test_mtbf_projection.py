@@ -85,6 +85,9 @@ def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
     assert (costs.iteration_seconds, costs.full_stall, costs.k1_stall) == (0.5, 0.04, 0.01)
     assert (costs.replay_stall_per_iteration, costs.replay_recover, costs.replay_seconds) == (0.005, 4.0, 1.5)
     assert (costs.replay_window, costs.num_experts) == (4, 16)
+    del bench["replay_window"]
+    with pytest.raises(ValueError, match=r"does not say moc_replay's window \(replay_window\)"):
+        MeasuredCosts.from_bench(bench)
     del bench["methods"][2]
     with pytest.raises(ValueError, match="the bench result has no measured moc_replay row"):
         MeasuredCosts.from_bench(bench)
