@@ -158,8 +158,10 @@ class BenchConfig:
         for name in ("steps", "every_n_train_steps", "devices", "replay_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.steps < max(self.every_n_train_steps, self.replay_window):
-            raise ValueError("steps must be >= every_n_train_steps and >= replay_window, or a method never checkpoints")
+        if self.steps < self.every_n_train_steps:
+            raise ValueError("steps must be >= every_n_train_steps, or no method checkpoints at all")
+        if "moc_replay" in self.methods and self.steps < self.replay_window:
+            raise ValueError(f"steps must be >= replay_window={self.replay_window}, or moc_replay completes no window")
         if not 0 <= self.warmup_steps < self.steps - 1:
             raise ValueError(f"warmup_steps must be in [0, steps - 1), got {self.warmup_steps}")
 

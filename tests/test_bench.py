@@ -37,6 +37,12 @@ def test_config_rejects_unknown_methods() -> None:
         BenchConfig(methods=["lightning_sync", "deepspeed"])
 
 
+def test_config_rejects_a_replay_window_longer_than_the_run() -> None:
+    BenchConfig(steps=3, every_n_train_steps=1, warmup_steps=0, methods=["moc_k1"])  # no moc_replay: W is unused
+    with pytest.raises(ValueError, match=r"steps must be >= replay_window=4, or moc_replay completes no window"):
+        BenchConfig(steps=3, every_n_train_steps=1, warmup_steps=0, methods=["moc_replay"])
+
+
 def test_tensor_bytes_reads_dcp_metadata_and_torch_save_files(tmp_path: Path) -> None:
     state = {"w": torch.zeros(100, 10), "m": torch.zeros(7, dtype=torch.float64)}
     dcp.save(state, checkpoint_id=tmp_path / "dcp")
