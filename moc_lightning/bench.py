@@ -256,6 +256,7 @@ class Row:
     overhead_pct: float | None = None
     paired_baseline_iter_ms: float | None = None
     paired_overhead_pct: float | None = None
+    stall_overhead_pct: float | None = None
     bytes_per_iteration: float | None = None
     bytes_per_checkpoint: int | None = None
     tensor_bytes_per_checkpoint: int | None = None
@@ -838,6 +839,7 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
         stall_ms_mean=_mean_ms(stalls),
         stall_ms_p95=_p95_ms(stalls),
         stall_ms_per_iteration=round(sum(stalls) / cfg.steps * 1000, 3) if stalls else None,
+        stall_overhead_pct=round(100 * sum(stalls) / cfg.steps / base.iteration_s, 2) if stalls else None,
         bytes_per_iteration=round(sum(copied) / cfg.steps, 1) if copied else None,
         iter_ms_mean=_mean_ms(iterations),
         iter_ms_median=round(statistics.median(iterations) * 1000, 3),
@@ -1041,6 +1043,7 @@ TABLE = (
     ("iter ms", "iter_ms_mean"),
     ("overhead %", "overhead_pct"),
     ("overhead % beside", "paired_overhead_pct"),
+    ("stall % of iter", "stall_overhead_pct"),
     ("bytes/iter", "bytes_per_iteration"),
     ("bytes/ckpt", "bytes_per_checkpoint"),
     ("tensor bytes", "tensor_bytes_per_checkpoint"),
@@ -1087,8 +1090,9 @@ def _replay_lines(result: dict[str, Any]) -> list[str]:
     return [
         "",
         line,
-        f"moc_replay iteration overhead: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right "
-        f"before it ({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline",
+        f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration (timers); "
+        f"iteration times: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right before it "
+        f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline",
     ]
 
 

@@ -143,6 +143,9 @@ def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> No
     assert k1["stall_ms_per_iteration"] == pytest.approx(k1["stall_ms_mean"] * 2 / 8, abs=2e-3), "2 snapshots in 8"
     for key in ("overhead_pct", "paired_overhead_pct", "paired_baseline_iter_ms", "persist_gbps"):
         assert isinstance(replay[key], float), key
+    baseline = result["baseline_iter_ms"]
+    for row in (replay, k1):  # the timers' overhead: stalls per iteration over a no-checkpoint iteration
+        assert row["stall_overhead_pct"] == pytest.approx(100 * row["stall_ms_per_iteration"] / baseline, abs=0.01)
     window = replay["expected_bytes"]
     assert replay["bytes_per_iteration"] == pytest.approx(window / 4), "each window's copies, spread over W"
     # the window file holds its tensors, and the batches, RNG states and trainer state to replay them, framed
@@ -151,5 +154,6 @@ def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> No
     assert k1["replay_seconds"] is None and k1["paired_overhead_pct"] is None
     table = markdown_table(result)
     assert "| moc_replay |" in table
+    assert f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration" in table
     assert (f"stall per iteration: moc_replay {replay['stall_ms_per_iteration']} ms (a capture every iteration), "
             f"moc_k1 {k1['stall_ms_per_iteration']} ms (a snapshot every 4)") in table
