@@ -1086,7 +1086,8 @@ def _replay_lines(result: dict[str, Any]) -> list[str]:
         return []
     line = f"stall per iteration: moc_replay {replay['stall_ms_per_iteration']} ms (a capture every iteration)"
     if "moc_k1" in rows:
-        line += f", moc_k1 {rows['moc_k1']['stall_ms_per_iteration']} ms (a snapshot every {result['every_n_train_steps']})"
+        k1, every = rows["moc_k1"]["stall_ms_per_iteration"], result["every_n_train_steps"]
+        line += f", moc_k1 {k1} ms (a snapshot every {every})"
     return [
         "",
         line,

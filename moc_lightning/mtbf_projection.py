@@ -97,7 +97,9 @@ class MeasuredCosts:
                 raise ValueError(f"the bench result has no measured {name} row; run recipes/bench.py with "
                                  "methods including moc_full, moc_k1 and moc_replay")  # fmt: skip
         if "replay_window" not in bench:
-            raise ValueError("the bench result does not say moc_replay's window (replay_window): rerun recipes/bench.py")
+            raise ValueError(
+                "the bench result does not say moc_replay's window (replay_window): rerun recipes/bench.py"
+            )
         full, k1, replay = rows["moc_full"], rows["moc_k1"], rows["moc_replay"]
         return cls(
             iteration_seconds=bench["baseline_iter_ms"] / 1000,
