@@ -48,13 +48,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
 from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.replay_driver import WINDOW_OBJECT
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
 
@@ -96,7 +97,9 @@ else:
             return tensor_aware_checkpoint.state_dict
 
 
-METHODS = ("lightning_sync", "lightning_async", "dcp_async", "nvrx_local", "moc_full", "moc_paper", "moc_k1")
+METHODS = (
+    "lightning_sync", "lightning_async", "dcp_async", "nvrx_local", "moc_full", "moc_paper", "moc_k1", "moc_replay",
+)
 PAPER_K = (4, 1)
 """The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
 GB = 1e9
@@ -126,6 +129,8 @@ class BenchConfig:
     """Checkpoint interval of every method (MoC persists every snapshot)."""
     warmup_steps: int = 2
     """Leading iterations left out of the mean iteration time (allocator and thread-pool warm-up)."""
+    replay_window: int = 4
+    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration and writes a window every W."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Methods to run, from :data:`METHODS`."""
     seed: int = 0
@@ -150,11 +155,13 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"methods {unknown} are unknown; choose among: {', '.join(METHODS)}")
         check_data_parallel(self.data_parallel, BENCH_DATA_PARALLEL, by="recipes/bench.py")
-        for name in ("steps", "every_n_train_steps", "devices"):
+        for name in ("steps", "every_n_train_steps", "devices", "replay_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < self.every_n_train_steps:
             raise ValueError("steps must be >= every_n_train_steps, or no method checkpoints at all")
+        if "moc_replay" in self.methods and self.steps < self.replay_window:
+            raise ValueError(f"steps must be >= replay_window={self.replay_window}, or moc_replay completes no window")
         if not 0 <= self.warmup_steps < self.steps - 1:
             raise ValueError(f"warmup_steps must be in [0, steps - 1), got {self.warmup_steps}")
 
@@ -174,8 +181,12 @@ class MethodUnavailable(RuntimeError):
 
 
 # ------------------------------------------------------------------- timing
-def timed(obj: Any, name: str, sink: list[tuple[int, float]], step: Callable[[], int]) -> None:
-    """Replace ``obj.name`` by a wrapper that appends ``(step(), seconds)`` of every call to ``sink``.
+def timed(
+    obj: Any, name: str, sink: list[tuple[int, float]], step: Callable[[], int],
+    only: Callable[..., bool] = lambda *args, **kwargs: True,
+) -> None:
+    """Replace ``obj.name`` by a wrapper that appends ``(step(), seconds)`` of every call (for which ``only`` of
+    its arguments holds) to ``sink``.
 
     Patching the instance (not the class) times exactly the object a Trainer calls, whichever thread it
     runs on, without changing what it does.
@@ -189,7 +200,8 @@ def timed(obj: Any, name: str, sink: list[tuple[int, float]], step: Callable[[],
         try:
             return inner(*args, **kwargs)
         finally:
-            sink.append((at, time.perf_counter() - start))
+            if only(*args, **kwargs):
+                sink.append((at, time.perf_counter() - start))
 
     setattr(obj, name, wrapper)
 
@@ -238,9 +250,14 @@ class Row:
     checkpoints: int | None = None
     stall_ms_mean: float | None = None
     stall_ms_p95: float | None = None
+    stall_ms_per_iteration: float | None = None
     iter_ms_mean: float | None = None
     iter_ms_median: float | None = None
     overhead_pct: float | None = None
+    paired_baseline_iter_ms: float | None = None
+    paired_overhead_pct: float | None = None
+    stall_overhead_pct: float | None = None
+    bytes_per_iteration: float | None = None
     bytes_per_checkpoint: int | None = None
     tensor_bytes_per_checkpoint: int | None = None
     expected_bytes: float | None = None
@@ -249,6 +266,7 @@ class Row:
     snapshot_pct_of_light: float | None = None
     persist_pct_of_light: float | None = None
     recover_seconds: float | None = None
+    replay_seconds: float | None = None
     notes: str = ""
 
 
@@ -269,6 +287,10 @@ class Baseline:
 # ------------------------------------------------------------------ methods
 class Method(abc.ABC):
     """One checkpointing method: what it adds to a Trainer, how a fresh run resumes, and what it wrote."""
+
+    paired = False
+    """Whether a no-checkpoint run is trained right before this method's, for an overhead measured side by side
+    (the run's baseline, at its start, may have run on a machine loaded otherwise)."""
 
     def __init__(self, name: str, root: Path, every: int) -> None:
         self.name = name
@@ -315,6 +337,10 @@ class Method(abc.ABC):
     def persist_seconds(self) -> list[float]:
         """Duration of each write to storage."""
         return [s for _, s in self.probe.persist]
+
+    def replay_seconds(self) -> float | None:
+        """Seconds the recovery spent replaying, for a method that replays (included in its recovery time)."""
+        return None
 
     def release(self) -> None:
         """Drop references to the measured run, so that its model is freed before the recovery run builds one."""
@@ -441,20 +467,22 @@ class DCPMethod(Method):
 class MoCMethod(Method):
     """``MoCCheckpoint``: snapshots into shared-memory slots, every snapshot persisted with PEC."""
 
-    def __init__(self, name: str, root: Path, every: int, k: tuple[int, int], shm_root: Path) -> None:
+    def __init__(self, name: str, root: Path, every: int, shm_root: Path, **options: Any) -> None:
+        """``options``: further ``CheckpointConfig`` fields (K, the mode)."""
         super().__init__(name, root, every)
         self.config = CheckpointConfig(
-            k_snapshot=k[0],
-            k_persist=k[1],
             every_n_train_steps=every,
             persist_every_n_snapshots=1,
             storage=StorageConfig(url=(root / "ckpt").as_uri()),
             shm_root=str(shm_root),
             persist_on_fit_end=False,  # like the other methods: periodic checkpoints only, no save_last
             complete_first_persist=False,  # PEC's steady state (eq. 6); the one complete persist is in the README
+            **options,
         )
         self.checkpoint = MoCCheckpoint(copy.deepcopy(self.config))
-        self.notes = f"k_snapshot={k[0]}, k_persist={k[1]}"
+        self.resumed: MoCCheckpoint | None = None
+        """The recovery run's callback."""
+        self.notes = f"k_snapshot={self.config.k_snapshot}, k_persist={self.config.k_persist}"
 
     def callbacks(self) -> list[L.Callback]:
         return [self.checkpoint]
@@ -464,8 +492,8 @@ class MoCMethod(Method):
         timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, _step_of(trainer))
 
     def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
-        fresh = MoCCheckpoint(copy.deepcopy(self.config))
-        return [fresh], _nothing, fresh.resume_target()
+        self.resumed = MoCCheckpoint(copy.deepcopy(self.config))
+        return [self.resumed], _nothing, self.resumed.resume_target()
 
     def stalls(self) -> list[float]:
         """The batch-end hook (selection and copy), plus waiting for the commit before the next optimizer step."""
@@ -495,6 +523,67 @@ class MoCMethod(Method):
     def release(self) -> None:
         """The engine's layout views the trained model's weights and optimizer state."""
         self.checkpoint = None
+
+
+class ReplayMethod(MoCMethod):
+    """``MoCCheckpoint`` with ``checkpoint.mode=replay``: every iteration captures a window offset (the full state of
+    its active units, the weights of the frozen ones) on the training thread, and each complete window is written
+    to storage; a recovery restores the newest window and replays up to W-1 iterations before the first step.
+
+    Its stall is every iteration's batch-end hook (capture, and the window's write every W iterations), as the
+    issue measures it (a snapshot every iteration); its "snapshot" is a capture, its "persist" a window's write,
+    its "checkpoint" on disk the window file (one object, replaced at each window), and its eq. 5/6 bytes are a
+    window's tensor bytes (every unit's full state once, plus the logged weights).
+    """
+
+    paired = True
+
+    def __init__(self, name: str, root: Path, every: int, shm_root: Path, window: int) -> None:
+        super().__init__(name, root, every, shm_root, mode="replay", replay=ReplayConfig(window=window))
+        self.window = window
+        self.notes = (
+            f"replay window W={window}: a capture every iteration; each complete window written to storage on the "
+            "training thread"
+        )
+
+    def attach(self, trainer: L.Trainer) -> None:
+        super().attach(trainer)
+        self.checkpoint.on_train_start = self._time_window_writes(self.checkpoint.on_train_start, trainer)
+
+    def _time_window_writes(self, on_train_start: Callable[..., None], trainer: L.Trainer) -> Callable[..., None]:
+        """Time the window writes once the callback's engine (and its storage) exists."""
+
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            storage = self.checkpoint.engine.pec.storage
+            timed(storage, "put", self.probe.persist, _step_of(trainer), only=lambda name, data: name == WINDOW_OBJECT)
+            on_train_start(*args, **kwargs)
+
+        return wrapper
+
+    def stalls(self) -> list[float]:
+        """Every iteration's hook: a replay capture is synchronous, there is no commit to wait for."""
+        return [s for _, s in self.probe.blocking]
+
+    def checkpoints(self) -> list[Path]:
+        window = self.root / "ckpt" / WINDOW_OBJECT
+        return [window] if window.exists() else []
+
+    def expected_bytes(self, trainer: L.Trainer) -> float | None:
+        """A window's tensor bytes: what its W captures copied."""
+        return float(sum(self.checkpoint.capture.copied_bytes[-self.window:]))
+
+    def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
+        return self.checkpoint.capture.copied_bytes
+
+    def snapshot_seconds(self) -> list[float]:
+        return self.checkpoint.capture.copy_seconds
+
+    def persist_seconds(self) -> list[float]:
+        return [s for _, s in self.probe.persist]
+
+    def replay_seconds(self) -> float | None:
+        report = self.resumed.replay_report if self.resumed is not None else None
+        return round(report.replay_seconds, 3) if report is not None else None
 
 
 class NvrxMethod(Method):
@@ -563,8 +652,10 @@ def make_method(name: str, root: Path, cfg: BenchConfig, shm_root: Path) -> Meth
         return DCPMethod(name, root, every, partitioned=cfg.data_parallel == "zero2")
     if name == "nvrx_local":
         return NvrxMethod(name, root, every)
+    if name == "moc_replay":
+        return ReplayMethod(name, root, every, shm_root / name, cfg.replay_window)
     k = {"moc_full": (n, n), "moc_paper": tuple(scaled_k(v, n) for v in PAPER_K), "moc_k1": (1, 1)}[name]
-    return MoCMethod(name, root, every, k, shm_root / name)
+    return MoCMethod(name, root, every, shm_root / name, k_snapshot=k[0], k_persist=k[1])
 
 
 def disk_bytes(checkpoint: Path) -> int:
@@ -739,16 +830,20 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
     iterations = run.clock.iteration_seconds(cfg.warmup_steps)
     checkpoints = method.checkpoints()
     on_disk = round(statistics.fmean(map(disk_bytes, checkpoints))) if checkpoints else None
-    snapshot = _gbps(method.snapshot_bytes(run.trainer), method.snapshot_seconds())
+    copied = method.snapshot_bytes(run.trainer)
+    snapshot = _gbps(copied, method.snapshot_seconds())
     persist = _gbps([on_disk or 0] * len(method.persist_seconds()), method.persist_seconds())
     return Row(
         name=method.name,
         checkpoints=len(stalls),
         stall_ms_mean=_mean_ms(stalls),
         stall_ms_p95=_p95_ms(stalls),
+        stall_ms_per_iteration=round(sum(stalls) / cfg.steps * 1000, 3) if stalls else None,
+        stall_overhead_pct=round(100 * sum(stalls) / cfg.steps / base.iteration_s, 2) if stalls else None,
+        bytes_per_iteration=round(sum(copied) / cfg.steps, 1) if copied else None,
         iter_ms_mean=_mean_ms(iterations),
         iter_ms_median=round(statistics.median(iterations) * 1000, 3),
-        overhead_pct=round(100 * (statistics.fmean(iterations) / base.iteration_s - 1), 2),
+        overhead_pct=_overhead_pct(iterations, base.iteration_s),
         bytes_per_checkpoint=on_disk,
         tensor_bytes_per_checkpoint=round(statistics.fmean(map(tensor_bytes, checkpoints))) if checkpoints else None,
         expected_bytes=round(method.expected_bytes(run.trainer)),
@@ -758,6 +853,10 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
         persist_pct_of_light=_pct(persist, base.write_fsync_gbps),
         notes=method.notes,
     )
+
+
+def _overhead_pct(iterations: list[float], baseline_s: float) -> float:
+    return round(100 * (statistics.fmean(iterations) / baseline_s - 1), 2)
 
 
 def recover_seconds(cfg: BenchConfig, method: Method) -> float:
@@ -777,10 +876,17 @@ def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: 
     except MethodUnavailable as why:
         return Row(name=name, skipped=str(why))
     with method.session():
-        row = measure(method, fit(cfg, root / "run", method.callbacks(), method.attach), cfg, base)
+        beside = no_checkpoint_iteration_s(cfg, root / "baseline") if method.paired else None
+        run = fit(cfg, root / "run", method.callbacks(), method.attach)
+        row = measure(method, run, cfg, base)
+        if beside is not None:
+            row.paired_baseline_iter_ms = round(beside * 1000, 3)
+            row.paired_overhead_pct = _overhead_pct(run.clock.iteration_seconds(cfg.warmup_steps), beside)
         method.release()
+        del run
         release_memory()
         row.recover_seconds = recover_seconds(cfg, method)
+        row.replay_seconds = method.replay_seconds()
     _remove_on_rank0(root, shm_root / name)
     return row
 
@@ -870,13 +976,25 @@ def baseline(cfg: BenchConfig, work: Path) -> Baseline:
     run = fit(cfg, work / "baseline", [])
     state_bytes = _state_bytes(run.trainer)
     base = Baseline(
-        iteration_s=statistics.fmean(run.clock.iteration_seconds(cfg.warmup_steps)),
+        iteration_s=_iteration_s(cfg, run),
         state_bytes=state_bytes,
         copy_gbps=round(copy_gbps(_state_tensors(run.trainer)), 3),
         write_fsync_gbps=round(write_fsync_gbps(work, state_bytes), 3),
     )
     _remove_on_rank0(work / "baseline")
     return base
+
+
+def _iteration_s(cfg: BenchConfig, run: Fit) -> float:
+    """Mean iteration time after the warm-up."""
+    return statistics.fmean(run.clock.iteration_seconds(cfg.warmup_steps))
+
+
+def no_checkpoint_iteration_s(cfg: BenchConfig, run_dir: Path) -> float:
+    """Mean iteration time of a run without checkpointing, trained now (beside a method's run)."""
+    seconds = _iteration_s(cfg, fit(cfg, run_dir, []))
+    release_memory()
+    return seconds
 
 
 def release_memory() -> None:
@@ -907,6 +1025,7 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         "model": asdict(cfg.model),
         "steps": cfg.steps,
         "every_n_train_steps": cfg.every_n_train_steps,
+        "replay_window": cfg.replay_window,
         "k_scaling": K_SCALING,
         "state_bytes": base.state_bytes,
         "baseline_iter_ms": round(base.iteration_s * 1000, 3),
@@ -920,8 +1039,12 @@ TABLE = (
     ("method", "name"),
     ("stall ms mean", "stall_ms_mean"),
     ("stall ms p95", "stall_ms_p95"),
+    ("stall ms/iter", "stall_ms_per_iteration"),
     ("iter ms", "iter_ms_mean"),
     ("overhead %", "overhead_pct"),
+    ("overhead % beside", "paired_overhead_pct"),
+    ("stall % of iter", "stall_overhead_pct"),
+    ("bytes/iter", "bytes_per_iteration"),
     ("bytes/ckpt", "bytes_per_checkpoint"),
     ("tensor bytes", "tensor_bytes_per_checkpoint"),
     ("eq. 5/6 bytes", "expected_bytes"),
@@ -930,6 +1053,7 @@ TABLE = (
     ("persist GB/s", "persist_gbps"),
     ("% light", "persist_pct_of_light"),
     ("recover s", "recover_seconds"),
+    ("replay s", "replay_seconds"),
 )
 
 
@@ -951,7 +1075,26 @@ def markdown_table(result: dict[str, Any]) -> str:
             lines.append(f"| {row['name']} | skipped: {row['skipped']} |")
         else:
             lines.append("| " + " | ".join(_cell(row[key]) for _, key in TABLE) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, *_replay_lines(result)])
+
+
+def _replay_lines(result: dict[str, Any]) -> list[str]:
+    """``moc_replay``'s stall per iteration beside ``moc_k1``'s, and its overhead against the run beside it."""
+    rows = {row["name"]: row for row in result["methods"] if not row["skipped"]}
+    replay = rows.get("moc_replay")
+    if replay is None:
+        return []
+    line = f"stall per iteration: moc_replay {replay['stall_ms_per_iteration']} ms (a capture every iteration)"
+    if "moc_k1" in rows:
+        k1, every = rows["moc_k1"]["stall_ms_per_iteration"], result["every_n_train_steps"]
+        line += f", moc_k1 {k1} ms (a snapshot every {every})"
+    return [
+        "",
+        line,
+        f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration (timers); "
+        f"iteration times: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right before it "
+        f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline",
+    ]
 
 
 def _cell(value: Any) -> str:

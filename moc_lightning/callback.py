@@ -69,6 +69,7 @@ from moc_lightning.replay_driver import (
     WINDOW_OBJECT, ReplayReport, WindowCapture, WindowLog, check_trainer, load_window, replay_window,
 )
 from moc_lightning.replay_driver import check_supported as check_replay_supported
+from moc_lightning.replay_memory import WindowMemory, window_memory
 from moc_lightning.routing import TokenSource, token_source, unknown_message
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.start import agreed_manifest, begin_lineage
@@ -106,6 +107,8 @@ class MoCCheckpoint(Checkpoint):
         self._to_replay: WindowLog | None = None
         self.replay_report: ReplayReport | None = None
         """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
+        self.window_memory: WindowMemory | None = None
+        """``mode=replay``: the host memory of the windows, reported and checked before training."""
 
     # ------------------------------------------------------------ resuming
     def resume_target(self, default_root_dir: str | Path | None = None) -> str | None:
@@ -174,7 +177,13 @@ class MoCCheckpoint(Checkpoint):
         pec = self._new_pec(pl_module, layout, topology)
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
-        check_shm_root(self.config, pec, slot_root.parent)
+        if self.config.mode == "replay":
+            self.window_memory = window_memory(layout, self.config.replay.window)
+            if topology.rank == 0:
+                print(f"[moc_lightning] {self.window_memory.describe()}")
+            check_window_memory(self.config, self.window_memory, slot_root.parent)
+        else:
+            check_shm_root(self.config, pec, slot_root.parent)
         if faults.lost_node and slot_root.parent == self._slot_root(faults.faulty_rank).parent:
             lose_node(slot_root.parent)
         if dist.is_initialized():
@@ -371,7 +380,7 @@ class MoCCheckpoint(Checkpoint):
         else:
             engine.pec.record_tokens(counts)
         step = trainer.global_step
-        if not self._slots_sized:
+        if not self._slots_sized and self.capture is None:  # replay mode's windows are sized apart (replay_memory)
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
         snapshot_due = (
@@ -558,18 +567,12 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Pa
     complete first snapshot keeps its size). Slots this run already has on the node (``node_root``, every
     local rank's, from before a restart) are reused, so they count as free: a restart of a job that fitted fits.
     """
-    root = Path(config.shm_root)
-    if not root.parent.is_dir():
-        raise ValueError(
-            f"checkpoint.shm_root={config.shm_root} cannot be created: {root.parent} does not exist; "
-            "point it at a node-local tmpfs such as /dev/shm/moc_lightning"
-        )
     per_slot = pec.snapshot_share_bytes(with_optimizer_state=True)
     complete = config.complete_first_persist
     first_slot = pec.snapshot_share_bytes(with_optimizer_state=True, complete=True) if complete else per_slot
-    local_ranks = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = _local_ranks(config)
     needed = int(((NUM_SLOTS - 1) * per_slot + first_slot) * local_ranks)
-    free = shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(node_root)
+    free = _shm_free(config, node_root)
     if free < needed:
         first = f", one of them {first_slot / 1e6:.1f} MB for the complete first snapshot" if complete else ""
         raise ValueError(
@@ -578,6 +581,44 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Pa
             f"k_snapshot={pec.dynamic_k.k_snapshot}{first}); use a larger tmpfs, a smaller checkpoint.k_snapshot"
             + (", or checkpoint.complete_first_persist=false" if complete else "")
         )
+
+
+def check_window_memory(config: CheckpointConfig, memory: WindowMemory, node_root: Path) -> None:
+    """``mode=replay``: fail before training when the shared-memory root cannot hold the windows of this node's
+    ranks (:mod:`moc_lightning.replay_memory`), counted as :func:`check_shm_root` counts PEC's slots.
+
+    The windows are kept in the processes' memory for now (the issue puts them in the shared-memory slots, where
+    a restarted process finds them); a tmpfs and the processes draw on the same host memory, so the root's free
+    space is the bound either way.
+    """
+    local_ranks = _local_ranks(config)
+    needed = memory.total * local_ranks
+    free = _shm_free(config, node_root)
+    if free < needed:
+        raise ValueError(
+            f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the replay windows need about "
+            f"{needed / 1e6:.1f} MB ({memory.windows_kept} windows x {local_ranks} ranks, W={memory.window}: "
+            f"{memory.window_bytes / 1e6:.1f} MB a window, up to {max(memory.per_iteration) / 1e6:.1f} MB per "
+            "iteration); use a larger tmpfs, a smaller checkpoint.replay.window (a window holds every unit's full "
+            "state once plus the weights of the units still frozen), or checkpoint.mode=pec"
+        )
+
+
+def _local_ranks(config: CheckpointConfig) -> int:
+    """Ranks sharing this node's shared-memory root."""
+    return config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _shm_free(config: CheckpointConfig, node_root: Path) -> int:
+    """Bytes available under the shared-memory root, counting this run's existing slots on the node as free (they
+    are reused: a restart of a job that fitted fits); refuses a root that cannot be created."""
+    root = Path(config.shm_root)
+    if not root.parent.is_dir():
+        raise ValueError(
+            f"checkpoint.shm_root={config.shm_root} cannot be created: {root.parent} does not exist; "
+            "point it at a node-local tmpfs such as /dev/shm/moc_lightning"
+        )
+    return shutil.disk_usage(root if root.exists() else root.parent).free + _already_used(node_root)
 
 
 def _already_used(node_root: Path) -> int:

@@ -40,7 +40,8 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from moc_lightning import trainer_state
 from moc_lightning.layout import Layout
 from moc_lightning.lineage import Lineage
-from moc_lightning.replay import Replay, WindowRecord, window_schedule
+from moc_lightning.replay import Replay, WindowRecord
+from moc_lightning.replay_memory import WINDOWS_KEPT, window_plan
 from moc_lightning.storage import CheckpointStorage
 from moc_lightning.units import parse_unit
 
@@ -147,12 +148,17 @@ class WindowLog:
 
 
 class WindowCapture:
-    """Captures every iteration into two alternating :class:`WindowLog` and hands each completed one to storage."""
+    """Captures every iteration into :data:`WINDOWS_KEPT` alternating :class:`WindowLog` and hands each completed
+    one to storage."""
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self.logs: list[WindowLog | None] = [None, None]
+        self.logs: list[WindowLog | None] = [None] * WINDOWS_KEPT
         self._begun: tuple[int, Iteration] | None = None
+        self.copied_bytes: list[int] = []
+        """Bytes each captured iteration copied, in order."""
+        self.copy_seconds: list[float] = []
+        """Seconds each captured iteration's copy took, in order."""
 
     def begin(self, step: int, batch: Any, batch_idx: int) -> None:
         """At the batch start: the iteration's batch and RNG, before anything in the step draws from it."""
@@ -167,19 +173,20 @@ class WindowCapture:
         step, iteration = self._begun
         self._begun = None
         k, t = divmod(step, self.window)
-        log = self.logs[k % 2]
+        log = self.logs[k % WINDOWS_KEPT]
         if t == 0:
             if log is None:
-                sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}  # optimizer state exists by now
-                schedule = window_schedule(layout.units, self.window, sizes)
-                log = self.logs[k % 2] = WindowLog(WindowRecord(schedule, self.window))
+                schedule, _ = window_plan(layout, self.window)  # the plan the memory report sized
+                log = self.logs[k % WINDOWS_KEPT] = WindowLog(WindowRecord(schedule, self.window))
             log.start_step, log.iterations, log.trainer_state = step, [], None
             log.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
             groups = trainer.optimizers[0].param_groups
             log.param_groups = [{key: v for key, v in group.items() if key != "params"} for group in groups]
         elif log is None or log.start_step != step - t or log.record.captured != t:
             return None
-        log.record.capture(layout, t)
+        start = time.perf_counter()
+        self.copied_bytes.append(log.record.capture(layout, t))
+        self.copy_seconds.append(time.perf_counter() - start)
         log.iterations.append(iteration)
         if t < self.window - 1:
             return None

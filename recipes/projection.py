@@ -1,7 +1,7 @@
 """Project checkpointing overhead and ETTR of a long run on a large cluster (MoC-System eq. 3/4).
 
     python recipes/projection.py [bench=BENCH_JSON] [out=FILE] [days=14] [gpus_sweep=1024,4096,16384]
-                                 [FIELD=VALUE ...]
+                                 [mtbf=10m,30m,2h,3.1h] [FIELD=VALUE ...]
 
 The scenario defaults to the paper's GPT-350M-16E (Table 1) trained for ``days`` on 1,024 GPUs; every
 ``moc_lightning.projection.ClusterScenario`` field can be overridden (``gpus=4096 memory_survival=0.5``).
@@ -9,6 +9,11 @@ With ``bench=`` the per-rank bandwidths are the ones ``recipes/bench.py`` measur
 snapshot copy of ``moc_paper`` and persist of ``moc_full``, else the bench's speed-of-light bounds); without
 it, or when the file is missing, the defaults below. Prints the inputs, one table of eq. 4's terms per
 method, and ETTR against cluster size; ``out`` gets the same as JSON (see docs/analysis.md).
+
+With a bench that measured ``moc_full``, ``moc_k1`` and ``moc_replay``, it also prints ETTR against the job's MTBF
+(``mtbf``, default 10 min, 30 min, 2 h and Llama 3's 3.1 h) for full checkpoints, PEC with Dynamic-K and replay
+mode side by side, from the bench's measured costs on this machine (:mod:`moc_lightning.mtbf_projection` has the
+model); ``out`` gets it as ``mtbf_sweep``.
 
 Default assumptions (none of them measured here):
 
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from moc_lightning.cli import parse_key_values
+from moc_lightning.mtbf_projection import DEFAULT_MTBFS, MeasuredCosts, MtbfPoint, parse_duration, project_mtbf
 from moc_lightning.projection import HOUR, ClusterScenario, Projection, project_all
 
 DAY = 24 * HOUR
@@ -129,11 +135,50 @@ def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def mtbf_table(costs: MeasuredCosts, table: Sequence[Sequence[MtbfPoint]]) -> str:
+    """Markdown: per MTBF, each method's ETTR with what it is made of (interval, K, PLT, cost of a fault)."""
+    lines = [
+        f"Measured (bench, one process): iteration {costs.iteration_seconds * 1000:.1f} ms; stall per checkpoint "
+        f"full {costs.full_stall * 1000:.1f} ms, PEC K=1 {costs.k1_stall * 1000:.1f} ms (N={costs.num_experts}); "
+        f"replay {costs.replay_stall_per_iteration * 1000:.1f} ms per iteration (W={costs.replay_window}); recovery "
+        f"full {costs.full_recover:.2f} s, K=1 {costs.k1_recover:.2f} s, replay {costs.replay_recover:.2f} s "
+        f"(its replay {costs.replay_seconds:.2f} s); restart {costs.restart_seconds:g} s; Dynamic-K threshold "
+        f"{costs.plt_threshold:.2%}.",
+        "",
+        "| MTBF | " + " | ".join(f"ETTR {p.method}" for p in table[0]) + " | full: interval | pec: K, interval, PLT "
+        "| replay: s per fault |",
+        "|---" * (len(table[0]) + 4) + "|",
+    ]
+    for full, pec, replay in table:
+        lines.append(
+            f"| {_duration(full.mtbf_seconds)} | {full.ettr:.4f} | {pec.ettr:.4f} | {replay.ettr:.4f} "
+            f"| {full.interval} | K={pec.k}, {pec.interval}, {pec.plt:.2%} | {replay.per_fault_seconds:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / HOUR:g} h" if seconds >= HOUR else f"{seconds / 60:g} min"
+
+
+def mtbf_sweep(args: Mapping[str, str]) -> tuple[MeasuredCosts, list[list[MtbfPoint]]] | str:
+    """The MTBF table from ``bench=``, or why there is none."""
+    bench_path = Path(args["bench"]) if "bench" in args else None
+    if bench_path is None or not bench_path.exists():
+        return "no bench result (bench=FILE): ETTR against MTBF needs the measured costs"
+    try:
+        costs = MeasuredCosts.from_bench(json.loads(bench_path.read_text()))
+    except ValueError as why:
+        return str(why)
+    return costs, project_mtbf(costs, [parse_duration(d) for d in args["mtbf"].split(",")])
+
+
 def as_json(
     scenario: ClusterScenario,
     sources: Mapping[str, str],
     projections: Sequence[Projection],
     sweep: Sequence[Mapping[str, Any]],
+    mtbf: Sequence[Sequence[MtbfPoint]] = (),
 ) -> dict[str, Any]:
     """The ``out`` file (docs/analysis.md)."""
     useful = scenario.useful_seconds
@@ -147,13 +192,17 @@ def as_json(
             for p in projections
         ],
         "gpu_sweep": list(sweep),
+        "mtbf_sweep": [
+            {"mtbf_seconds": row[0].mtbf_seconds, "methods": {p.method: dataclasses.asdict(p) for p in row}}
+            for row in mtbf
+        ],
     }
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, str]:
     """``key=value`` arguments: ``bench``, ``out``, ``days``, ``gpus_sweep`` and any scenario field."""
-    allowed = {"bench", "out", "days", "gpus_sweep", *(f.name for f in dataclasses.fields(ClusterScenario))}
-    return parse_key_values(argv, allowed, defaults={"gpus_sweep": "1024,4096,16384"})
+    allowed = {"bench", "out", "days", "gpus_sweep", "mtbf", *(f.name for f in dataclasses.fields(ClusterScenario))}
+    return parse_key_values(argv, allowed, defaults={"gpus_sweep": "1024,4096,16384", "mtbf": ",".join(DEFAULT_MTBFS)})
 
 
 def main(argv: Sequence[str]) -> None:
@@ -169,8 +218,16 @@ def main(argv: Sequence[str]) -> None:
     print(projection_table(scenario, projections))
     print("\n## ETTR against cluster size (same run, same per-GPU MTBF)\n")
     print(sweep_table(sweep))
+    print("\n## ETTR against the job's MTBF, from this machine's measured costs\n")
+    measured = mtbf_sweep(args)
+    if isinstance(measured, str):
+        print(measured)
+        mtbf: list[list[MtbfPoint]] = []
+    else:
+        costs, mtbf = measured
+        print(mtbf_table(costs, mtbf))
     if "out" in args:
-        Path(args["out"]).write_text(json.dumps(as_json(scenario, sources, projections, sweep), indent=1))
+        Path(args["out"]).write_text(json.dumps(as_json(scenario, sources, projections, sweep, mtbf), indent=1))
         print(f"\nJSON: {args['out']}")
 
 

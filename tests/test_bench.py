@@ -14,7 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moc_lightning.bench import METHODS, BenchConfig, disk_bytes, run_bench, scaled_k, tensor_bytes
+from moc_lightning.bench import (
+    METHODS, BenchConfig, disk_bytes, markdown_table, run_bench, scaled_k, tensor_bytes,
+)
+from moc_lightning.models.gpt_moe import GPTMoEConfig
 from quick_bench import QUICK_BENCH, ROOT, BenchRun
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
@@ -32,6 +35,12 @@ def test_paper_k_scales_with_the_number_of_experts() -> None:
 def test_config_rejects_unknown_methods() -> None:
     with pytest.raises(ValueError, match="unknown"):
         BenchConfig(methods=["lightning_sync", "deepspeed"])
+
+
+def test_config_rejects_a_replay_window_longer_than_the_run() -> None:
+    BenchConfig(steps=3, every_n_train_steps=1, warmup_steps=0, methods=["moc_k1"])  # no moc_replay: W is unused
+    with pytest.raises(ValueError, match=r"steps must be >= replay_window=4, or moc_replay completes no window"):
+        BenchConfig(steps=3, every_n_train_steps=1, warmup_steps=0, methods=["moc_replay"])
 
 
 def test_tensor_bytes_reads_dcp_metadata_and_torch_save_files(tmp_path: Path) -> None:
@@ -116,3 +125,35 @@ def test_config_rejects_modes_the_benchmark_cannot_checkpoint() -> None:
     with pytest.raises(ValueError, match=r"data_parallel='hsdp' is not supported with recipes/bench.py; "
                                          r"choose one of: ddp, zero2, fsdp2"):
         BenchConfig(data_parallel="hsdp")
+
+
+def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> None:
+    """``moc_replay`` (issue 14, item 4): a capture every iteration, so its stall and bytes count per iteration,
+    its overhead is also measured against a no-checkpoint run right beside it, and its recovery includes the
+    replay, reported apart too. Failed on b4ba765 (no such method)."""
+    cfg = BenchConfig(model=GPTMoEConfig(block_size=32), steps=8, every_n_train_steps=4, warmup_steps=1,
+                      replay_window=4, methods=["moc_k1", "moc_replay"], work_dir=str(tmp_path / "work"),
+                      shm_root=str(tmp_path))  # fmt: skip
+    result = run_bench(cfg, tmp_path)
+    rows = {row["name"]: row for row in result["methods"]}
+    replay, k1 = rows["moc_replay"], rows["moc_k1"]
+    assert replay["skipped"] is None and replay["notes"].startswith("replay window W=4")
+    assert replay["checkpoints"] == 8, "every iteration is a stall"
+    assert replay["stall_ms_per_iteration"] > 0 and k1["stall_ms_per_iteration"] > 0
+    assert k1["stall_ms_per_iteration"] == pytest.approx(k1["stall_ms_mean"] * 2 / 8, abs=2e-3), "2 snapshots in 8"
+    for key in ("overhead_pct", "paired_overhead_pct", "paired_baseline_iter_ms", "persist_gbps"):
+        assert isinstance(replay[key], float), key
+    baseline = result["baseline_iter_ms"]
+    for row in (replay, k1):  # the timers' overhead: stalls per iteration over a no-checkpoint iteration
+        assert row["stall_overhead_pct"] == pytest.approx(100 * row["stall_ms_per_iteration"] / baseline, abs=0.01)
+    window = replay["expected_bytes"]
+    assert replay["bytes_per_iteration"] == pytest.approx(window / 4), "each window's copies, spread over W"
+    # the window file holds its tensors, and the batches, RNG states and trainer state to replay them, framed
+    assert window < replay["tensor_bytes_per_checkpoint"] <= replay["bytes_per_checkpoint"] <= 1.05 * window
+    assert 0 < replay["replay_seconds"] < replay["recover_seconds"], "recovery includes the replay"
+    assert k1["replay_seconds"] is None and k1["paired_overhead_pct"] is None
+    table = markdown_table(result)
+    assert "| moc_replay |" in table
+    assert f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration" in table
+    assert (f"stall per iteration: moc_replay {replay['stall_ms_per_iteration']} ms (a capture every iteration), "
+            f"moc_k1 {k1['stall_ms_per_iteration']} ms (a snapshot every 4)") in table

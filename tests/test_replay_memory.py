@@ -1,0 +1,65 @@
+"""Replay mode's memory bound (issue 14, item 3): before training, the host memory of a window is reported
+(bytes per iteration, W, the total of the windows kept) and checked against the shared-memory root."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning_run import Recorder, fit, moc_config
+
+from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.config import CheckpointConfig, ReplayConfig
+
+WINDOW = 3
+
+
+class ReportAtStart(L.Callback):
+    """What the MoC callback had reported when training started."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        moc = next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint))
+        self.memory: Any = moc.window_memory
+
+
+def _config(root: Path, **kw: Any) -> CheckpointConfig:
+    return moc_config(root, mode="replay", replay=ReplayConfig(window=WINDOW), **kw)
+
+
+def test_replay_reports_the_window_memory_before_training_as_the_captures_copy_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Failed on b4ba765: replay mode reported nothing and sized PEC's snapshot slots instead."""
+    seen = ReportAtStart()
+    moc = fit(tmp_path, _config(tmp_path, remove_snapshots_on_fit_end=False), 2 * WINDOW, [seen])
+    memory = seen.memory
+    assert memory is not None, "reported before the first step"
+    assert (memory.window, memory.windows_kept) == (WINDOW, 2)
+    copied = moc.capture.copied_bytes
+    assert len(copied) == 2 * WINDOW
+    assert copied[:WINDOW] == copied[WINDOW:], "every window copies the same"
+    # before the first step Adam's state is estimated as two moments; the captures also copy its 4-byte steps
+    assert list(memory.per_iteration) == pytest.approx(copied[:WINDOW], rel=1e-3)
+    assert memory.total == pytest.approx(2 * sum(copied[:WINDOW]), rel=1e-3)
+    out = capsys.readouterr().out
+    assert f"replay window W={WINDOW}" in out and f"{memory.total / 1e6:.1f} MB" in out
+    assert not list((tmp_path / "shm").rglob("data")), "replay mode reserves no PEC snapshot slots"
+
+
+def test_replay_refuses_a_shared_memory_root_too_small_for_its_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failed on b4ba765: the check sized PEC's k_snapshot slots, not the windows."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1_000_000))
+    recorder = Recorder()
+    with pytest.raises(ValueError) as err:
+        fit(tmp_path, _config(tmp_path), 2 * WINDOW, [recorder])
+    message = str(err.value)
+    assert "checkpoint.shm_root=" in message and "has 1.0 MB free" in message
+    assert "replay windows need about" in message and f"2 windows x 1 ranks, W={WINDOW}" in message
+    assert "checkpoint.replay.window" in message
+    assert recorder.start_step is None, "refused before training started"
