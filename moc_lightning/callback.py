@@ -53,10 +53,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from moc_lightning import trainer_state
-from moc_lightning.agreement import check_same
+from moc_lightning.agreement import check_same, from_coordinator
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints, resolve_last
-from moc_lightning.config import CheckpointConfig
+from moc_lightning.config import AUTO, CheckpointConfig
 from moc_lightning.evaluation import load_newest, no_best
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.hf_format import describe_model
@@ -75,6 +75,7 @@ from moc_lightning.start import agreed_manifest, begin_lineage
 from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
+from moc_lightning.window_choice import WindowChoice, WindowProbe
 
 
 class MoCCheckpoint(Checkpoint):
@@ -102,7 +103,10 @@ class MoCCheckpoint(Checkpoint):
         """Where each step's router counts come from (set with the engine)."""
         self._said_unknown = False
         self.capture: WindowCapture | None = None
-        """``mode=replay``: this fit's window captures."""
+        """``mode=replay``: this fit's window captures (from the first iteration, or once ``window=auto`` chose W)."""
+        self._probe: WindowProbe | None = None
+        self.window_choice: WindowChoice | None = None
+        """``mode=replay`` with ``replay.window=auto``: W and what it was chosen from (``None`` until chosen)."""
         self._to_replay: WindowLog | None = None
         self.replay_report: ReplayReport | None = None
         """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
@@ -336,9 +340,13 @@ class MoCCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------- training
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.capture = self._probe = None
         if self.config.mode == "replay":
             check_trainer(trainer, pl_module)
-            self.capture = WindowCapture(self.config.replay.window)
+            if self.config.replay.window == AUTO:
+                self._probe = WindowProbe()
+            else:
+                self.capture = WindowCapture(self.config.replay.window)
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         self._slots_sized = False
         self._persists_logged = 0
@@ -360,6 +368,8 @@ class MoCCheckpoint(Checkpoint):
     ) -> None:
         if self.capture is not None:
             self.capture.begin(trainer.global_step, batch, batch_idx)
+        elif self._probe is not None:
+            self._probe.begin()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -375,7 +385,7 @@ class MoCCheckpoint(Checkpoint):
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
         snapshot_due = (
-            self.capture is None and step != self._last_step and step % self.config.every_n_train_steps == 0
+            self.config.mode == "pec" and step != self._last_step and step % self.config.every_n_train_steps == 0
         )
         if snapshot_due or 0 < trainer.max_steps <= step or trainer.should_stop:
             self._step_state = trainer_state.capture(trainer, self.state_key)
@@ -384,9 +394,23 @@ class MoCCheckpoint(Checkpoint):
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
             engine.pec.storage.put(WINDOW_OBJECT, window.to_bytes(engine.lineage))  # one process (check_supported)
+        if self._probe is not None and self._probe.end():
+            self._choose_window(trainer)
         engine.poll_persist()
         self._log_persists(trainer)
         engine.faults.at("train", step)
+
+    def _choose_window(self, trainer: L.Trainer) -> None:
+        """``replay.window=auto``: choose W from the timed iterations (the coordinator's choice, for every rank), log
+        it with its inputs once, and capture windows of it from the next window boundary on."""
+        probe, self._probe = self._probe, None
+        layout = self.engine.pec.layout
+        choice = self.window_choice = from_coordinator(lambda: probe.choose(layout), self.engine.pec.process_group)
+        self.capture = WindowCapture(choice.window)
+        for logger in trainer.loggers:
+            logger.log_metrics(choice.metrics(), step=trainer.global_step)
+        if self.engine.rank == 0:
+            print(f"[moc_lightning] {choice.describe()}")
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer

@@ -94,7 +94,11 @@ def window_schedule(
 def capture_bytes(layout: Layout, schedule: Mapping[Unit, int], window: int) -> list[int]:
     """Bytes each offset of the window copies: the full state of its active units, the weights and buffers
     of its frozen ones (read from the live tensors, so optimizer state counts once it exists)."""
-    sizes = {unit: layout.unit_bytes(unit) for unit in schedule}
+    return offset_bytes({unit: layout.unit_bytes(unit) for unit in schedule}, schedule, window)
+
+
+def offset_bytes(sizes: Mapping[Unit, UnitBytes], schedule: Mapping[Unit, int], window: int) -> list[int]:
+    """:func:`capture_bytes` from given unit sizes (pure: the window's choice weighs windows not captured yet)."""
     return [
         sum(s.total if schedule[u] == t else s.weights + s.buffers for u, s in sizes.items() if schedule[u] >= t)
         for t in range(window)

@@ -131,6 +131,7 @@ def test_wrong_type_is_rejected() -> None:
         (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
         (["checkpoint.mode=sparse"], "checkpoint.mode='sparse' is not allowed; choose one of: pec, replay"),
         (["checkpoint.mode=replay", "checkpoint.replay.window=0"], "checkpoint.replay.window must be >= 1, got 0"),
+        (["checkpoint.mode=replay", "checkpoint.replay.window=big"], "checkpoint.replay.window='big' is not allowed; choose an integer >= 1 or auto"),
         (["checkpoint.mode=replay"], "checkpoint.mode=replay with 2 processes: checkpoint.mode=replay supports, so far, one process"),
         (["checkpoint.mode=replay", "trainer.devices=1", "trainer.precision=bf16-mixed"], "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
     ],
@@ -169,6 +170,8 @@ def test_replay_mode_composes_for_one_process() -> None:
     cfg = to_train_config(_compose(["checkpoint.mode=replay", "checkpoint.replay.window=8", "trainer.devices=1"]))
     assert (cfg.checkpoint.mode, cfg.checkpoint.replay.window) == ("replay", 8)
     assert to_train_config(_compose([])).checkpoint.mode == "pec"
+    auto = to_train_config(_compose(["checkpoint.mode=replay", "checkpoint.replay.window=auto", "trainer.devices=1"]))
+    assert auto.checkpoint.replay.window == "auto"
 
 
 def _hf_train_config(overrides: list[str]):

@@ -113,3 +113,22 @@ def test_a_crash_before_the_first_complete_window_starts_over_in_the_lineage(
     assert moc.replay_report is None and resumed.start_step == 0
     assert len(moc.engine.lineage.segments) == 2, "resumed within the lineage, not a new one"
     assert _differing(resumed.states[MAX_STEPS], uninterrupted) == []
+
+
+def test_auto_window_is_chosen_from_the_first_iterations_and_logged_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``checkpoint.replay.window=auto``: the first iterations are timed and the copy bandwidth measured, then W is
+    chosen (1 <= W <= units), windows of that W are captured, and the choice with its inputs is logged once."""
+    logger = CSVLogger(tmp_path / "logs", name="", version="")
+    config = moc_config(tmp_path, mode="replay", replay=ReplayConfig(window="auto"))
+    moc = fit(tmp_path, config, MAX_STEPS, [], logger=logger)
+    choice = moc.window_choice
+    assert choice is not None and 1 <= choice.window <= len(moc.engine.pec.layout.units)
+    assert choice.copy_bandwidth > 0 and choice.iteration_seconds > 0
+    assert moc.capture is not None and moc.capture.window == choice.window
+    out = capsys.readouterr().out
+    print(out)
+    assert out.count("checkpoint.replay.window=auto chose") == 1
+    logged = (tmp_path / "logs" / "metrics.csv").read_text()
+    assert "moc/replay_window" in logged and "moc/replay_copy_gbps" in logged and "moc/iteration_ms" in logged
