@@ -319,12 +319,15 @@ class MoCCheckpoint(Checkpoint):
             "lr_schedulers": [],
         }
 
-    def _write_recovery_report(self, report: RecoveryReport) -> None:
-        rank = self.engine.rank
+    def _write_report(self, report: dict[str, Any]) -> None:
+        """``<default_root_dir>/moc_recovery/rank<r>.json``: what this rank's resume did (fault drills read it)."""
         directory = Path(self._trainer.default_root_dir) / "moc_recovery"
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"rank{rank}.json").write_text(json.dumps(report.to_json(), indent=1))
-        if rank == 0:
+        (directory / f"rank{self.engine.rank}.json").write_text(json.dumps(report, indent=1))
+
+    def _write_recovery_report(self, report: RecoveryReport) -> None:
+        self._write_report(report.to_json())
+        if self.engine.rank == 0:
             levels: dict[str, int] = {}
             for source in report.sources.values():
                 levels[source["level"]] = levels.get(source["level"], 0) + 1
@@ -553,6 +556,7 @@ class MoCCheckpoint(Checkpoint):
         """``mode=replay``: recompute the restored window before the first new step (:mod:`replay_driver`)."""
         log, self._to_replay = self._to_replay, None
         report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log)
+        self._write_report({"mode": "replay", **dataclasses.asdict(report)})
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
         metrics = {

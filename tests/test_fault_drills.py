@@ -7,6 +7,7 @@ eq. 7 computed by hand from the router counts of every step.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -211,3 +212,51 @@ def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tm
     check_bitwise(tmp_path, reports)
     manifest = Manifest.from_json((tmp_path / "ckpt" / "manifest.json").read_bytes())
     assert [r.step for r in manifest.records] == [5, 25, 30], "the restarted run persisted again at 25 (30: its end)"
+
+
+def _fault_drill_recipe():
+    spec = importlib.util.spec_from_file_location("fault_drill", ROOT / "recipes/fault_drill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_drill_report_has_plt_and_replay_iterations_in_either_mode() -> None:
+    """``out`` holds the faulty rank's report with ``plt`` and ``replay_iterations`` (0 under PEC, which replays no
+    window) beside the scenario, the mode and every rank's report."""
+    drill = _fault_drill_recipe()
+    pec = {"resume_step": 20, "plt": 0.012, "sources": {"dense/embed": {"level": "memory_local", "step": 20}},
+           "recover_seconds": 0.1}  # fmt: skip
+    replayed = {"mode": "replay", "window_start": 16, "resume_step": 20, "replay_iterations": 3,
+                "replay_seconds": 0.2, "plt": 0.0}  # fmt: skip
+    for mode, report, iterations in (("pec", pec, 0), ("replay", replayed, 3)):
+        result = drill.drill_result({0: report, 1: report}, "crash", 1, mode)
+        assert result["plt"] == report["plt"] and result["replay_iterations"] == iterations
+        assert (result["scenario"], result["mode"], result["faulty_rank"]) == ("crash", mode, 1)
+        assert set(result["ranks"]) == {0, 1}
+        line = drill.summary(result)
+        assert f"replay_iterations={iterations}" in line and "plt=" in line
+    with pytest.raises(SystemExit, match="rank 2 wrote no recovery report"):
+        drill.drill_result({0: pec}, "node_loss", 2, "pec")
+
+
+def test_a_replay_drill_refuses_before_launching_while_replay_runs_one_process(tmp_path: Path) -> None:
+    """Replay mode runs one process so far: ``mode=replay`` refuses the 4-rank drill before starting it, saying why."""
+    with pytest.raises(SystemExit) as refused:
+        _fault_drill_recipe().parse(["scenario=crash", "mode=replay", f"out={tmp_path / 'drill.json'}"])
+    assert "fault_drill.py mode=replay: the drill trains 4 ranks" in str(refused.value)
+    assert "checkpoint.mode=replay supports, so far, one process" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["scenario=crash_in_persist", "mode=replay"],
+         "scenario=crash_in_persist with mode=replay: replay mode takes no snapshots or persists; choose crash or node_loss"),
+        (["scenario=crash", "mode=sparse"], "mode='sparse' is not one of pec, replay"),
+    ],
+)  # fmt: skip
+def test_the_drill_refuses_a_mode_it_cannot_run(tmp_path: Path, args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        _fault_drill_recipe().parse([*args, f"out={tmp_path / 'drill.json'}"])
+    assert message in str(refused.value)

@@ -4,8 +4,10 @@ the uninterrupted run's state; ``mode=pec`` under the same fault does not."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,8 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
     assert report.plt == 0.0
     logged = (tmp_path / "logs" / "metrics.csv").read_text()
     assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
+    written = json.loads((tmp_path / "run" / "moc_recovery" / "rank0.json").read_text())  # what fault drills read
+    assert written == {"mode": "replay", **asdict(report)}
     assert _differing(final, uninterrupted) == []
 
 
