@@ -21,6 +21,7 @@ from lightning_run import MODEL, Crash, Recorder, cpu_trainer, datamodule, moc_c
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.replay_driver import window_object
 
 MAX_STEPS = 10
 WINDOW = 3
@@ -45,6 +46,19 @@ class RankSeed(L.Callback):
         torch.manual_seed(1000 + trainer.global_rank)
 
 
+class FirstStep(Recorder):
+    """The state as the first step of a fit begins: after MoC's replay (Lightning calls a checkpoint callback's
+    ``on_train_start`` after the other callbacks')."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start_step = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if self.start_step is None:
+            self.start_step = trainer.global_step
+            self.start = self._tensors(trainer, module)
+
+
 def _config(root: Path) -> CheckpointConfig:
     return moc_config(root, mode="replay", replay=ReplayConfig(window=WINDOW))
 
@@ -56,22 +70,24 @@ def _fit(root: Path, ep: int, callbacks: list[L.Callback], **kw: Any) -> MoCChec
     return moc
 
 
-def _straight_then_crash(rank: int, world_size: int, root: str, ep: int, crash: int) -> dict[str, Any]:
-    """The uninterrupted run (its state at every window's end and at ``max_steps``), then a run that crashes."""
+def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, lose_newest: bool) -> dict[str, Any]:
+    """The uninterrupted run (its state at every window's end and at ``max_steps``); a run that crashes after step
+    ``crash`` on every rank (with ``lose_newest``, rank 1 lost its newest window: it was killed before writing
+    it); its resume in a new Trainer (the state as its first step begins, and at ``max_steps``)."""
     straight = Recorder(at=(*range(WINDOW, MAX_STEPS, WINDOW), MAX_STEPS), model=NOISY)
     _fit(Path(root) / "straight", ep, [straight])
     try:
         _fit(Path(root) / "faulty", ep, [Recorder(crash_after=crash, model=NOISY)])
     except Crash:
         pass
-    return straight.states
-
-
-def _resume(rank: int, world_size: int, root: str, ep: int) -> dict[str, Any]:
-    resumed = Recorder(at=(MAX_STEPS,), model=NOISY)
+    if lose_newest and rank == 1:
+        (Path(root) / "faulty" / "ckpt" / window_object(rank, crash // WINDOW - 1)).unlink()
+    torch.distributed.barrier()
+    resumed = FirstStep(at=(MAX_STEPS,), model=NOISY)
     logger = CSVLogger(Path(root) / "faulty" / "logs", name="", version="")
     moc = _fit(Path(root) / "faulty", ep, [resumed], logger=logger)
     return {
+        "straight": straight.states,
         "report": asdict(moc.replay_report) if moc.replay_report is not None else None,
         "start_step": resumed.start_step,
         "start": resumed.start,
@@ -85,19 +101,23 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2], ids=["ddp", "ddp_ep2"])
-def test_two_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(tmp_path: Path, ep: int) -> None:
-    crash = _crash_step(WINDOW + 1)
-    straight = run_ranks(_straight_then_crash, 2, tmp_path, str(tmp_path), ep, crash, init_process_group=False)
-    resumed = run_ranks(_resume, 2, tmp_path, str(tmp_path), ep, init_process_group=False)
+@pytest.mark.parametrize(
+    ("ep", "lose_newest"), [(1, False), (2, True)], ids=["ddp", "ddp_ep2_rank1_lost_its_newest_window"]
+)
+def test_two_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
+    tmp_path: Path, ep: int, lose_newest: bool
+) -> None:
+    """``lose_newest``: the ranks agree on the window before the newest, the newest one rank 1 completed."""
+    crash = _crash_step(2 * WINDOW if lose_newest else WINDOW + 1)
+    ranks = run_ranks(_runs, 2, tmp_path, str(tmp_path), ep, crash, lose_newest, init_process_group=False)
 
-    expected_end = crash // WINDOW * WINDOW
-    for rank, (want, got) in enumerate(zip(straight, resumed)):
-        report = got["report"]
+    resume_step = crash // WINDOW * WINDOW - (WINDOW if lose_newest else 0)
+    for rank, run in enumerate(ranks):
+        report = run["report"]
         print(f"rank {rank}: {report}")
-        assert report is not None and report["resume_step"] == expected_end == got["start_step"]
+        assert report is not None and report["resume_step"] == resume_step == run["start_step"]
         assert report["replay_iterations"] == WINDOW - 1 and report["plt"] == 0.0
-        assert _differing(got["start"], want[expected_end]) == [], f"rank {rank} after the replay"
-        assert _differing(got["final"], want[MAX_STEPS]) == [], f"rank {rank} at max_steps"
+        assert _differing(run["start"], run["straight"][resume_step]) == [], f"rank {rank} after the replay"
+        assert _differing(run["final"], run["straight"][MAX_STEPS]) == [], f"rank {rank} at max_steps"
     logged = (tmp_path / "faulty" / "logs" / "metrics.csv").read_text()
     assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
