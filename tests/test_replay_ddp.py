@@ -121,3 +121,15 @@ def test_two_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_s
         assert _differing(run["final"], run["straight"][MAX_STEPS]) == [], f"rank {rank} at max_steps"
     logged = (tmp_path / "faulty" / "logs" / "metrics.csv").read_text()
     assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
+
+
+@pytest.mark.parametrize("data_parallel", ["zero2"])
+def test_replay_refuses_a_data_parallel_mode_it_cannot_replay_by_name(tmp_path: Path, data_parallel: str) -> None:
+    recorder = Recorder()
+    moc = MoCCheckpoint(_config(tmp_path))
+    trainer = cpu_trainer(tmp_path / "run", MAX_STEPS, [moc, recorder])
+    with pytest.raises(ValueError, match=None) as err:
+        trainer.fit(GPTMoEModule(MODEL, data_parallel=data_parallel), datamodule=datamodule())
+    assert f"checkpoint.mode=replay with trainer.data_parallel={data_parallel}" in str(err.value)
+    assert "use checkpoint.mode=pec otherwise" in str(err.value)
+    assert recorder.start_step is None, "refused before training started"
