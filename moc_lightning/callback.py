@@ -66,9 +66,8 @@ from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.pieces import SHARDED_MODES, check_supported
 from moc_lightning.replay_driver import (
-    WINDOW_OBJECT, ReplayReport, WindowCapture, WindowLog, check_trainer, load_window, replay_window,
+    ReplayReport, WindowCapture, WindowLog, check_strategy, check_trainer, load_window, replay_window, store_window,
 )
-from moc_lightning.replay_driver import check_supported as check_replay_supported
 from moc_lightning.routing import TokenSource, token_source, unknown_message
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.start import agreed_manifest, begin_lineage
@@ -154,7 +153,7 @@ class MoCCheckpoint(Checkpoint):
         _route_strategy_loads(trainer.strategy)
         if stage == "fit":
             if self.config.mode == "replay":
-                check_replay_supported(trainer.world_size, trainer.precision)
+                check_strategy(trainer, pl_module)
             resuming = trainer.strategy.checkpoint_io.is_moc(trainer.ckpt_path)
             if resuming and self.config.resume == "never":
                 raise ValueError(
@@ -280,14 +279,14 @@ class MoCCheckpoint(Checkpoint):
         """``mode=replay``: resume at the end of the newest complete window in storage. Its trainer state goes to
         Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
         engine = self.engine
-        log = load_window(engine.pec.storage, manifest.lineage)
+        log = load_window(engine.pec.storage, engine.rank, manifest.lineage)
         engine.store.clear()  # PEC's slots play no part in replay mode
         resumed = manifest.lineage.resumed_at(log.end_step if log is not None else 0)
         engine.pec.commit_lineage(manifest.with_lineage(resumed))
         engine.lineage = resumed
         engine.pec.base_on(manifest)
         if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
-            return self._fresh_checkpoint(module, f"no complete replay window of this run in {WINDOW_OBJECT}")
+            return self._fresh_checkpoint(module, "no replay window of this run that every rank completed")
         self._to_replay = log
         return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 
@@ -396,7 +395,7 @@ class MoCCheckpoint(Checkpoint):
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
-            engine.pec.storage.put(WINDOW_OBJECT, window.to_bytes(engine.lineage))  # one process (check_supported)
+            store_window(engine.pec.storage, engine.rank, window, engine.lineage)
         if self._probe is not None and self._probe.end():
             self._choose_window(trainer)
         engine.poll_persist()

@@ -1,6 +1,6 @@
-"""``checkpoint.mode=replay`` in a Lightning fit (one process): after a crash at a random step, the resume
-replays the newest complete window through the module's own ``training_step`` and the run ends bitwise on
-the uninterrupted run's state; ``mode=pec`` under the same fault does not."""
+"""``checkpoint.mode=replay`` in a Lightning fit (one process; several ranks: test_replay_ddp.py): after a crash at
+a random step, the resume replays the newest complete window through the module's own ``training_step`` and the
+run ends bitwise on the uninterrupted run's state; ``mode=pec`` under the same fault does not."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.replay_driver import WINDOW_OBJECT
+from moc_lightning.replay_driver import window_object
 
 MAX_STEPS = 12
 WINDOW = 3
@@ -81,7 +81,7 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
 ) -> None:
     final, moc = _crash_and_resume(tmp_path, "replay")
     report = moc.replay_report
-    stored = (tmp_path / "ckpt" / WINDOW_OBJECT).stat().st_size
+    stored = (tmp_path / "ckpt" / window_object(0, report.window_start // WINDOW)).stat().st_size
     print(f"replayed {report.replay_iterations} iterations of the window from step {report.window_start} "
           f"in {report.replay_seconds * 1e3:.1f} ms; resumed at step {report.resume_step}; window in storage "
           f"{stored / 1e6:.2f} MB")
