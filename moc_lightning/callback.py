@@ -177,11 +177,11 @@ class MoCCheckpoint(Checkpoint):
         pec = self._new_pec(pl_module, layout, topology)
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
-        check_shm_root(self.config, pec, slot_root.parent)
         if faults.lost_node and slot_root.parent == self._slot_root(faults.faulty_rank).parent:
             lose_node(slot_root.parent)
         if dist.is_initialized():
-            dist.barrier()  # a lost node is gone before anyone takes inventory
+            dist.barrier()  # a lost node is gone before anyone takes inventory (of its slots here, too)
+        check_shm_root(self.config, pec, slot_root.parent)
         self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
