@@ -1,7 +1,9 @@
-"""``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 ranks (gloo, CPU), with and without expert
-parallelism: after a crash at a random step, new processes agree on the newest window every rank completed, replay
-it together through the DDP-wrapped ``training_step``, and every rank lands bitwise on the uninterrupted run's
-state (every parameter, buffer and optimizer tensor), then trains on bitwise identically to ``max_steps``."""
+"""``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 and 4 ranks (gloo, CPU), with and without
+expert parallelism: after a crash at a random step, a new Trainer on every rank agrees on the newest window that all
+ranks completed, replays it together through the DDP-wrapped ``training_step``, and every rank lands bitwise on the
+uninterrupted run's state (every parameter, buffer and optimizer tensor), then trains on bitwise identically to
+``max_steps``. The resume runs in the crashed fit's processes (a spawn costs tens of seconds on the test machine);
+nothing of the crashed Trainer, module or optimizer carries over."""
 
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def _config(root: Path) -> CheckpointConfig:
 
 def _fit(root: Path, devices: int, ep: int, callbacks: list[L.Callback], **kw: Any) -> MoCCheckpoint:
     moc = MoCCheckpoint(_config(root))
-    trainer = cpu_trainer(root / "run", MAX_STEPS, [moc, RankSeed(), *callbacks], devices=devices, gradient_clip_val=CLIP, **kw)
+    callbacks = [moc, RankSeed(), *callbacks]
+    trainer = cpu_trainer(root / "run", MAX_STEPS, callbacks, devices=devices, gradient_clip_val=CLIP, **kw)
     trainer.fit(GPTMoEModule(NOISY, ep=ep, seed=0), datamodule=datamodule(NOISY), ckpt_path=moc.resume_target())
     return moc
 
