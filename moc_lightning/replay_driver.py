@@ -29,7 +29,7 @@ and gradient reduction, a global-norm clipping) pair up as they did. With 2 rank
 only; with more, the sum's order may depend on DDP's buckets, which a new process builds afresh (not yet checked).
 
 This slice supports ``trainer.data_parallel=ddp`` (one process or several, with or without expert parallelism)
-at precision ``32-true`` (:func:`check_supported`).
+at precision ``32-true`` or ``bf16-mixed`` (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -57,17 +57,21 @@ from moc_lightning.units import parse_unit
 
 SUPPORTED = (
     "checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp (Lightning's DDPStrategy, or one device) at "
-    "precision 32-true, automatic optimization with one torch.optim optimizer, accumulate_grad_batches=1, LR "
-    "schedulers stepped every step, and a module that keeps Lightning's optimizer_step, optimizer_zero_grad and "
-    "backward; use checkpoint.mode=pec otherwise"
+    "precision 32-true or bf16-mixed, automatic optimization with one torch.optim optimizer, "
+    "accumulate_grad_batches=1, LR schedulers stepped every step, and a module that keeps Lightning's optimizer_step, "
+    "optimizer_zero_grad and backward; use checkpoint.mode=pec otherwise"
 )
+
+PRECISIONS = ("32-true", "bf16-mixed")
+"""Lightning precisions a replay repeats: fp32 weights (the logged compute weights are the fp32 masters) and, under
+``bf16-mixed``, the autocast that the strategy's ``training_step`` enters as Lightning's loop does."""
 
 
 def check_supported(precision: str, data_parallel: str = "ddp") -> None:
     """Refuse what this slice of replay mode does not support yet, before training (the recipe and the callback)."""
     if data_parallel != "ddp":
         raise ValueError(f"checkpoint.mode=replay with trainer.data_parallel={data_parallel}: {SUPPORTED}")
-    if str(precision) != "32-true":
+    if str(precision) not in PRECISIONS:
         raise ValueError(f"checkpoint.mode=replay with trainer.precision={precision!r}: {SUPPORTED}")
 
 

@@ -134,7 +134,7 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.mode=replay", "checkpoint.replay.window=big"], "checkpoint.replay.window='big' is not allowed; choose an integer >= 1 or auto"),
         (["checkpoint.mode=replay", "trainer.data_parallel=zero2"], "checkpoint.mode=replay with trainer.data_parallel=zero2: checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp"),
         (["checkpoint.mode=replay", "trainer.data_parallel=fsdp2"], "checkpoint.mode=replay with trainer.data_parallel=fsdp2: checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp"),
-        (["checkpoint.mode=replay", "trainer.devices=1", "trainer.precision=bf16-mixed"], "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
+        (["checkpoint.mode=replay", "trainer.precision=16-mixed"], "checkpoint.mode=replay with trainer.precision='16-mixed'"),
     ],
 )
 def test_bad_values_name_the_option(overrides: list[str], message: str) -> None:

@@ -1,7 +1,9 @@
-"""``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 ranks (gloo, CPU), with and without expert
-parallelism: after a crash at a random step, new processes agree on the newest window every rank completed, replay
-it together through the DDP-wrapped ``training_step``, and every rank lands bitwise on the uninterrupted run's
-state (every parameter, buffer and optimizer tensor), then trains on bitwise identically to ``max_steps``."""
+"""``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 and 4 ranks (gloo, CPU), with and without
+expert parallelism: after a crash at a random step, a new Trainer on every rank agrees on the newest window that all
+ranks completed, replays it together through the DDP-wrapped ``training_step``, and every rank lands bitwise on the
+uninterrupted run's state (every parameter, buffer and optimizer tensor), then trains on bitwise identically to
+``max_steps``. The resume runs in the crashed fit's processes (a spawn costs tens of seconds on the test machine);
+nothing of the crashed Trainer, module or optimizer carries over."""
 
 from __future__ import annotations
 
@@ -63,9 +65,10 @@ def _config(root: Path) -> CheckpointConfig:
     return moc_config(root, mode="replay", replay=ReplayConfig(window=WINDOW))
 
 
-def _fit(root: Path, ep: int, callbacks: list[L.Callback], **kw: Any) -> MoCCheckpoint:
+def _fit(root: Path, devices: int, ep: int, callbacks: list[L.Callback], **kw: Any) -> MoCCheckpoint:
     moc = MoCCheckpoint(_config(root))
-    trainer = cpu_trainer(root / "run", MAX_STEPS, [moc, RankSeed(), *callbacks], devices=2, gradient_clip_val=CLIP, **kw)
+    callbacks = [moc, RankSeed(), *callbacks]
+    trainer = cpu_trainer(root / "run", MAX_STEPS, callbacks, devices=devices, gradient_clip_val=CLIP, **kw)
     trainer.fit(GPTMoEModule(NOISY, ep=ep, seed=0), datamodule=datamodule(NOISY), ckpt_path=moc.resume_target())
     return moc
 
@@ -75,9 +78,9 @@ def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, lose_newes
     ``crash`` on every rank (with ``lose_newest``, rank 1 lost its newest window: it was killed before writing
     it); its resume in a new Trainer (the state as its first step begins, and at ``max_steps``)."""
     straight = Recorder(at=(*range(WINDOW, MAX_STEPS, WINDOW), MAX_STEPS), model=NOISY)
-    _fit(Path(root) / "straight", ep, [straight])
+    _fit(Path(root) / "straight", world_size, ep, [straight])
     try:
-        _fit(Path(root) / "faulty", ep, [Recorder(crash_after=crash, model=NOISY)])
+        _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)])
     except Crash:
         pass
     if lose_newest and rank == 1:
@@ -85,7 +88,7 @@ def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, lose_newes
     torch.distributed.barrier()
     resumed = FirstStep(at=(MAX_STEPS,), model=NOISY)
     logger = CSVLogger(Path(root) / "faulty" / "logs", name="", version="")
-    moc = _fit(Path(root) / "faulty", ep, [resumed], logger=logger)
+    moc = _fit(Path(root) / "faulty", world_size, ep, [resumed], logger=logger)
     return {
         "straight": straight.states,
         "report": asdict(moc.replay_report) if moc.replay_report is not None else None,
@@ -102,14 +105,16 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("ep", "lose_newest"), [(1, False), (2, True)], ids=["ddp", "ddp_ep2_rank1_lost_its_newest_window"]
+    ("world_size", "ep", "lose_newest"),
+    [(2, 1, False), (4, 2, True)],
+    ids=["2_ranks_ddp", "4_ranks_ep2_rank1_lost_its_newest_window"],
 )
-def test_two_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
-    tmp_path: Path, ep: int, lose_newest: bool
+def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
+    tmp_path: Path, world_size: int, ep: int, lose_newest: bool
 ) -> None:
     """``lose_newest``: the ranks agree on the window before the newest, the newest one rank 1 completed."""
     crash = _crash_step(2 * WINDOW if lose_newest else WINDOW + 1)
-    ranks = run_ranks(_runs, 2, tmp_path, str(tmp_path), ep, crash, lose_newest, init_process_group=False)
+    ranks = run_ranks(_runs, world_size, tmp_path, str(tmp_path), ep, crash, lose_newest, init_process_group=False)
 
     resume_step = crash // WINDOW * WINDOW - (WINDOW if lose_newest else 0)
     for rank, run in enumerate(ranks):

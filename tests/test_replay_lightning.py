@@ -9,6 +9,7 @@ import os
 import random
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,12 +45,13 @@ def _config(root: Path, mode: str) -> CheckpointConfig:
     return moc_config(root, mode=mode, replay=ReplayConfig(window=WINDOW), every_n_train_steps=2, k_snapshot=2)
 
 
-def _crash_and_resume(root: Path, mode: str) -> tuple[dict[str, torch.Tensor], object]:
+def _crash_and_resume(root: Path, mode: str, **trainer_options: Any) -> tuple[dict[str, torch.Tensor], object]:
     crash = _crash_step()
-    fit_or_crash(root, _config(root, mode), MAX_STEPS, Recorder(crash_after=crash), gradient_clip_val=CLIP)
+    options = {"gradient_clip_val": CLIP, **trainer_options}
+    fit_or_crash(root, _config(root, mode), MAX_STEPS, Recorder(crash_after=crash), **options)
     resumed = Recorder(at=(MAX_STEPS,))
     logger = CSVLogger(root / "logs", name="", version="")
-    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], gradient_clip_val=CLIP, logger=logger)
+    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], logger=logger, **options)
     return resumed.states[MAX_STEPS], moc
 
 
@@ -61,7 +63,7 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 @pytest.mark.parametrize(
     ("trainer_options", "message"),
     [
-        ({"precision": "bf16-mixed"}, "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
+        ({"precision": "64-true"}, "checkpoint.mode=replay with trainer.precision='64-true'"),
         ({"accumulate_grad_batches": 2}, "cannot replay this fit (accumulate_grad_batches=2)"),
     ],
 )
@@ -136,3 +138,13 @@ def test_auto_window_is_chosen_from_the_first_iterations_and_logged_once(
     assert out.count("checkpoint.replay.window=auto chose") == 1
     logged = (tmp_path / "logs" / "metrics.csv").read_text()
     assert "moc/replay_window" in logged and "moc/replay_copy_gbps" in logged and "moc/iteration_ms" in logged
+
+
+def test_replay_under_bf16_mixed_ends_bitwise_on_the_uninterrupted_state(tmp_path: Path) -> None:
+    """The replayed ``training_step`` runs under the precision plugin's autocast, as the original one did."""
+    straight = Recorder(at=(MAX_STEPS,))
+    fit(tmp_path / "straight", _config(tmp_path / "straight", "replay"), MAX_STEPS, [straight],
+        gradient_clip_val=CLIP, precision="bf16-mixed")
+    final, moc = _crash_and_resume(tmp_path / "faulty", "replay", precision="bf16-mixed")
+    assert moc.replay_report.replay_iterations == WINDOW - 1
+    assert _differing(final, straight.states[MAX_STEPS]) == []
