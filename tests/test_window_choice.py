@@ -3,9 +3,17 @@ fits the copy budget of a measured iteration at the measured copy bandwidth; a p
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import asdict
+from pathlib import Path
 
+import pytest
+from dist_utils import run_ranks
+from lightning_run import MODEL, cpu_trainer, datamodule, moc_config
+
+from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.config import ReplayConfig
 from moc_lightning.layout import UnitBytes
+from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.units import dense, expert
 from moc_lightning.window_choice import COPY_BUDGET, choose_window, peak_copy_bytes
 
@@ -68,3 +76,19 @@ def test_bad_inputs_are_refused(kwargs: dict, message: str) -> None:
     assert message in str(err.value)
     with pytest.raises(ValueError, match="at least one unit"):
         choose_window({}, copy_bandwidth=1e9, iteration_seconds=0.1)
+
+
+def _fit_auto(rank: int, world_size: int, root: str) -> dict:
+    moc = MoCCheckpoint(moc_config(Path(root), mode="replay", replay=ReplayConfig(window="auto")))
+    trainer = cpu_trainer(Path(root) / "run", 8, [moc], devices=world_size)
+    trainer.fit(GPTMoEModule(MODEL, ep=2, seed=0), datamodule=datamodule(), ckpt_path=moc.resume_target())
+    return {"choice": asdict(moc.window_choice), "window": moc.capture.window}
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_captures_windows_of_the_coordinators_choice(tmp_path: Path) -> None:
+    """Two ranks (EP=2: each holds other experts) time their own iterations; all take rank 0's W, or their windows
+    would end at different steps and no window would be common to all."""
+    ranks = run_ranks(_fit_auto, 2, tmp_path, str(tmp_path), init_process_group=False)
+    print(ranks)
+    assert ranks[0]["choice"] == ranks[1]["choice"] and ranks[0]["window"] == ranks[1]["window"] == ranks[0]["choice"]["window"]
