@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
+from moc_lightning.copy_speed import copy_gbps
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
 from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_data_parallel
@@ -718,26 +719,6 @@ def _state_bytes(trainer: L.Trainer) -> int:
 
 
 # ------------------------------------------------------------ speed of light
-def copy_gbps(tensors: list[torch.Tensor], repeats: int = 3) -> float:
-    """Best copy bandwidth of ``tensors`` into one reused, preallocated host buffer (pinned with CUDA).
-
-    This bounds a snapshot: copying the state somewhere training does not touch, with no allocation.
-    """
-    sources = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
-    total = sum(s.numel() for s in sources)
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    targets = buffer.split([s.numel() for s in sources])
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for target, source in zip(targets, sources):
-            target.copy_(source)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return total / best / GB
-
-
 def write_fsync_gbps(directory: Path, nbytes: int, chunk: int = 64 << 20) -> float:
     """Sequential ``os.write`` + ``os.fsync`` bandwidth of ``directory``'s storage for ``nbytes``: a persist's bound."""
     directory.mkdir(parents=True, exist_ok=True)

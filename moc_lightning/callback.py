@@ -53,10 +53,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from moc_lightning import trainer_state
-from moc_lightning.agreement import check_same
+from moc_lightning.agreement import check_same, from_coordinator
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints, resolve_last
-from moc_lightning.config import CheckpointConfig
+from moc_lightning.config import AUTO, CheckpointConfig
 from moc_lightning.evaluation import load_newest, no_best
 from moc_lightning.faults import FaultInjector, FaultPlan
 from moc_lightning.hf_format import describe_model
@@ -66,9 +66,8 @@ from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.pieces import SHARDED_MODES, check_supported
 from moc_lightning.replay_driver import (
-    WINDOW_OBJECT, ReplayReport, WindowCapture, WindowLog, check_trainer, load_window, replay_window,
+    ReplayReport, WindowCapture, WindowLog, check_strategy, check_trainer, load_window, replay_window, store_window,
 )
-from moc_lightning.replay_driver import check_supported as check_replay_supported
 from moc_lightning.replay_memory import WindowMemory, window_memory
 from moc_lightning.routing import TokenSource, token_source, unknown_message
 from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
@@ -76,6 +75,7 @@ from moc_lightning.start import agreed_manifest, begin_lineage
 from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
+from moc_lightning.window_choice import WindowChoice, WindowProbe
 
 
 class MoCCheckpoint(Checkpoint):
@@ -103,7 +103,10 @@ class MoCCheckpoint(Checkpoint):
         """Where each step's router counts come from (set with the engine)."""
         self._said_unknown = False
         self.capture: WindowCapture | None = None
-        """``mode=replay``: this fit's window captures."""
+        """``mode=replay``: this fit's window captures (from the first iteration, or once ``window=auto`` chose W)."""
+        self._probe: WindowProbe | None = None
+        self.window_choice: WindowChoice | None = None
+        """``mode=replay`` with ``replay.window=auto``: W and what it was chosen from (``None`` until chosen)."""
         self._to_replay: WindowLog | None = None
         self.replay_report: ReplayReport | None = None
         """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
@@ -153,7 +156,7 @@ class MoCCheckpoint(Checkpoint):
         _route_strategy_loads(trainer.strategy)
         if stage == "fit":
             if self.config.mode == "replay":
-                check_replay_supported(trainer.world_size, trainer.precision)
+                check_strategy(trainer, pl_module)
             resuming = trainer.strategy.checkpoint_io.is_moc(trainer.ckpt_path)
             if resuming and self.config.resume == "never":
                 raise ValueError(
@@ -177,17 +180,14 @@ class MoCCheckpoint(Checkpoint):
         pec = self._new_pec(pl_module, layout, topology)
         faults = FaultInjector(FaultPlan.from_env(), topology.rank)
         slot_root = self._slot_root(topology.rank)
-        if self.config.mode == "replay":
-            self.window_memory = window_memory(layout, self.config.replay.window)
-            if topology.rank == 0:
-                print(f"[moc_lightning] {self.window_memory.describe()}")
-            check_window_memory(self.config, self.window_memory, slot_root.parent)
-        else:
-            check_shm_root(self.config, pec, slot_root.parent)
         if faults.lost_node and slot_root.parent == self._slot_root(faults.faulty_rank).parent:
             lose_node(slot_root.parent)
         if dist.is_initialized():
-            dist.barrier()  # a lost node is gone before anyone takes inventory
+            dist.barrier()  # a lost node is gone before anyone takes inventory (of its slots here, too)
+        if self.config.mode == "pec":
+            check_shm_root(self.config, pec, slot_root.parent)
+        elif self.config.replay.window != "auto":
+            self._check_window_memory(layout, self.config.replay.window, topology.rank, slot_root.parent)
         self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
@@ -285,14 +285,14 @@ class MoCCheckpoint(Checkpoint):
         """``mode=replay``: resume at the end of the newest complete window in storage. Its trainer state goes to
         Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
         engine = self.engine
-        log = load_window(engine.pec.storage, manifest.lineage)
+        log = load_window(engine.pec.storage, engine.rank, manifest.lineage)
         engine.store.clear()  # PEC's slots play no part in replay mode
         resumed = manifest.lineage.resumed_at(log.end_step if log is not None else 0)
         engine.pec.commit_lineage(manifest.with_lineage(resumed))
         engine.lineage = resumed
         engine.pec.base_on(manifest)
         if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
-            return self._fresh_checkpoint(module, f"no complete replay window of this run in {WINDOW_OBJECT}")
+            return self._fresh_checkpoint(module, "no replay window of this run that every rank completed")
         self._to_replay = log
         return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 
@@ -324,12 +324,15 @@ class MoCCheckpoint(Checkpoint):
             "lr_schedulers": [],
         }
 
-    def _write_recovery_report(self, report: RecoveryReport) -> None:
-        rank = self.engine.rank
+    def _write_report(self, report: dict[str, Any]) -> None:
+        """``<default_root_dir>/moc_recovery/rank<r>.json``: what this rank's resume did (fault drills read it)."""
         directory = Path(self._trainer.default_root_dir) / "moc_recovery"
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"rank{rank}.json").write_text(json.dumps(report.to_json(), indent=1))
-        if rank == 0:
+        (directory / f"rank{self.engine.rank}.json").write_text(json.dumps(report, indent=1))
+
+    def _write_recovery_report(self, report: RecoveryReport) -> None:
+        self._write_report(report.to_json())
+        if self.engine.rank == 0:
             levels: dict[str, int] = {}
             for source in report.sources.values():
                 levels[source["level"]] = levels.get(source["level"], 0) + 1
@@ -345,9 +348,13 @@ class MoCCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------- training
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.capture = self._probe = None
         if self.config.mode == "replay":
             check_trainer(trainer, pl_module)
-            self.capture = WindowCapture(self.config.replay.window)
+            if self.config.replay.window == AUTO:
+                self._probe = WindowProbe()
+            else:
+                self.capture = WindowCapture(self.config.replay.window)
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         self._slots_sized = False
         self._persists_logged = 0
@@ -369,6 +376,8 @@ class MoCCheckpoint(Checkpoint):
     ) -> None:
         if self.capture is not None:
             self.capture.begin(trainer.global_step, batch, batch_idx)
+        elif self._probe is not None:
+            self._probe.begin()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -384,7 +393,7 @@ class MoCCheckpoint(Checkpoint):
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
         snapshot_due = (
-            self.capture is None and step != self._last_step and step % self.config.every_n_train_steps == 0
+            self.config.mode == "pec" and step != self._last_step and step % self.config.every_n_train_steps == 0
         )
         if snapshot_due or 0 < trainer.max_steps <= step or trainer.should_stop:
             self._step_state = trainer_state.capture(trainer, self.state_key)
@@ -392,10 +401,34 @@ class MoCCheckpoint(Checkpoint):
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
-            engine.pec.storage.put(WINDOW_OBJECT, window.to_bytes(engine.lineage))  # one process (check_supported)
+            store_window(engine.pec.storage, engine.rank, window, engine.lineage)
+        if self._probe is not None and self._probe.end():
+            self._choose_window(trainer)
         engine.poll_persist()
         self._log_persists(trainer)
         engine.faults.at("train", step)
+
+    def _choose_window(self, trainer: L.Trainer) -> None:
+        """``replay.window=auto``: choose W from the timed iterations (the coordinator's choice, for every rank), log
+        it with its inputs once, and capture windows of it from the next window boundary on."""
+        probe, self._probe = self._probe, None
+        layout = self.engine.pec.layout
+        choice = self.window_choice = from_coordinator(lambda: probe.choose(layout), self.engine.pec.process_group)
+        rank = self.engine.rank
+        self._check_window_memory(layout, choice.window, rank, self._slot_root(rank).parent)
+        self.capture = WindowCapture(choice.window)
+        for logger in trainer.loggers:
+            logger.log_metrics(choice.metrics(), step=trainer.global_step)
+        if self.engine.rank == 0:
+            print(f"[moc_lightning] {choice.describe()}")
+
+    def _check_window_memory(self, layout: Layout, window: int, rank: int, node_root: Path) -> None:
+        """``mode=replay``: report the windows' host memory and refuse a shared-memory root that cannot hold them,
+        before the first capture (before training, or once ``replay.window=auto`` has chosen W)."""
+        self.window_memory = window_memory(layout, window)
+        if rank == 0:
+            print(f"[moc_lightning] {self.window_memory.describe()}")
+        check_window_memory(self.config, self.window_memory, node_root)
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
@@ -538,6 +571,7 @@ class MoCCheckpoint(Checkpoint):
         """``mode=replay``: recompute the restored window before the first new step (:mod:`replay_driver`)."""
         log, self._to_replay = self._to_replay, None
         report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log)
+        self._write_report({"mode": "replay", **dataclasses.asdict(report)})
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
         metrics = {

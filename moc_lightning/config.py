@@ -16,6 +16,8 @@ SELECTION_POLICIES = ("sequential", "load_aware")
 STORAGE_BACKENDS = ("filesystem", "tensorstore")
 RESUME_MODES = ("auto", "never")
 MODES = ("pec", "replay")
+AUTO = "auto"
+"""``checkpoint.replay.window=auto``: W chosen from measurements (:mod:`moc_lightning.window_choice`)."""
 
 
 def _require_choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -59,12 +61,18 @@ class DynamicKConfig:
 class ReplayConfig:
     """Replay mode's window (``checkpoint.mode=replay``, :mod:`moc_lightning.replay`)."""
 
-    window: int = 4
+    window: int | str = 4
     """W, the iterations of a window: each unit's full state is captured once in it, and a recovery replays up to
-    W-1 iterations. Larger W copies less per iteration and replays more; 1 captures every unit every iteration."""
+    W-1 iterations. Larger W copies less per iteration and replays more; 1 captures every unit every iteration.
+    ``auto``: chosen once the first iterations have run, from their measured time and the measured copy bandwidth
+    (:mod:`moc_lightning.window_choice`). Not the default: timing makes it vary from run to run, and tests and
+    comparisons want a fixed W."""
 
     def __post_init__(self) -> None:
-        _require_at_least("checkpoint.replay.window", self.window, 1)
+        if isinstance(self.window, str) and self.window != AUTO:
+            raise ValueError(f"checkpoint.replay.window={self.window!r} is not allowed; choose an integer >= 1 or {AUTO}")
+        if isinstance(self.window, int):
+            _require_at_least("checkpoint.replay.window", self.window, 1)
 
 
 @dataclass
@@ -78,7 +86,8 @@ class CheckpointConfig:
     versions, PLT). ``replay``: every iteration captures the full state of a rotating share of the units and the
     weights of the rest, and a recovery replays the newest complete window through the module's own
     ``training_step``, so every unit returns to its fault-free state (no lost tokens). This slice of replay runs
-    one process at precision ``32-true`` (see :mod:`moc_lightning.replay_driver`)."""
+    ``trainer.data_parallel=ddp`` (one process or several, with or without expert parallelism) at precision
+    ``32-true`` or ``bf16-mixed`` (see :mod:`moc_lightning.replay_driver`)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Replay mode's settings (read only with ``mode=replay``)."""
     k_snapshot: int = 2

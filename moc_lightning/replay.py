@@ -91,13 +91,14 @@ def window_schedule(
     return schedule
 
 
-def capture_bytes(
-    layout: Layout, schedule: Mapping[Unit, int], window: int, sizes: Mapping[Unit, UnitBytes] | None = None
-) -> list[int]:
+def capture_bytes(layout: Layout, schedule: Mapping[Unit, int], window: int) -> list[int]:
     """Bytes each offset of the window copies: the full state of its active units, the weights and buffers
-    of its frozen ones (``sizes``, by default read from the live tensors, so optimizer state counts once it
-    exists)."""
-    sizes = sizes if sizes is not None else {unit: layout.unit_bytes(unit) for unit in schedule}
+    of its frozen ones (read from the live tensors, so optimizer state counts once it exists)."""
+    return offset_bytes({unit: layout.unit_bytes(unit) for unit in schedule}, schedule, window)
+
+
+def offset_bytes(sizes: Mapping[Unit, UnitBytes], schedule: Mapping[Unit, int], window: int) -> list[int]:
+    """:func:`capture_bytes` from given unit sizes (pure: the window's choice weighs windows not captured yet)."""
     return [
         sum(s.total if schedule[u] == t else s.weights + s.buffers for u, s in sizes.items() if schedule[u] >= t)
         for t in range(window)

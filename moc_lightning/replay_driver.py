@@ -8,19 +8,28 @@ RNG streams as the iteration began; the LR schedulers' state and the optimizer's
 window's first iteration (those its second one used); and the trainer state after its last iteration
 (:mod:`moc_lightning.trainer_state`: loops, the train loader's position, RNG), which Lightning resumes from.
 
-Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a
-window completes it is written whole to storage (one object, ``replay_window.pt``, replaced atomically) on the
-training thread: the simplest path that survives the process and the node, at the price of a synchronous write
-of a full state plus the logged weights every W iterations. Writing it through the shared-memory slots and the
-background persist, as PEC's snapshots go, is the next step (issue 14).
+Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a window
+completes, each rank writes its own (its units, batches and RNG streams; under DDP every rank writes the replicated
+units too, the simplest correct choice) to storage on the training thread, in one of two objects per rank that
+alternate (:func:`window_object`), so a rank's previous window stays whole while the next is written. On resume the
+ranks agree on the newest window every one of them completed (:func:`load_window`): a rank killed before its write
+leaves the others one window ahead (no further: a step's collectives keep the ranks within a step of each other),
+and all go back to the one before. Writing through the shared-memory slots and the background persist, as PEC's
+snapshots go, is the next step (issue 14).
 
-A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``,
-``on_before_backward``, ``backward``, ``on_after_backward``, ``on_before_optimizer_step``, then
-``configure_gradient_clipping`` as configured on the Trainer, the optimizer step and the step-interval LR
-schedulers) with the :class:`~moc_lightning.replay.Replay` hooks around it; callbacks' hooks are not called
-(the iterations ran in the faulty run already), nor is ``self.log`` recorded.
+A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``
+called through the strategy, ``on_before_backward``, ``backward``, ``on_after_backward``,
+``on_before_optimizer_step``, then ``configure_gradient_clipping`` as configured on the Trainer, the optimizer step
+and the step-interval LR schedulers) with the :class:`~moc_lightning.replay.Replay` hooks around it; callbacks'
+hooks are not called (the iterations ran in the faulty run already), nor is ``self.log`` recorded. Through the
+strategy, because under DDP only the wrapped model's forward arms the gradient all-reduce of the backward: the
+module's own ``training_step`` would leave each rank with its local gradients, and the ranks would diverge. Every
+rank replays the same iterations, so the collectives of a step (DDP's all-reduce, expert parallelism's all-to-all
+and gradient reduction, a global-norm clipping) pair up as they did. With 2 ranks an all-reduce sums in one order
+only; with more, the sum's order may depend on DDP's buckets, which a new process builds afresh (not yet checked).
 
-This slice supports one process at ``32-true`` precision (:func:`check_supported`).
+This slice supports ``trainer.data_parallel=ddp`` (one process or several, with or without expert parallelism)
+at precision ``32-true`` or ``bf16-mixed`` (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -36,8 +45,10 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from moc_lightning import trainer_state
+from moc_lightning.agreement import gather
 from moc_lightning.layout import Layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.replay import Replay, WindowRecord
@@ -45,29 +56,38 @@ from moc_lightning.replay_memory import WINDOWS_KEPT, window_plan
 from moc_lightning.storage import CheckpointStorage
 from moc_lightning.units import parse_unit
 
-WINDOW_OBJECT = "replay_window.pt"
-"""The storage object holding the newest complete window."""
-
 SUPPORTED = (
-    "checkpoint.mode=replay supports, so far, one process (trainer devices=1, num_nodes=1) at precision 32-true, "
-    "automatic optimization with one torch.optim optimizer, accumulate_grad_batches=1, LR schedulers stepped "
-    "every step, and a module that keeps Lightning's optimizer_step, optimizer_zero_grad and backward; "
-    "use checkpoint.mode=pec otherwise"
+    "checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp (Lightning's DDPStrategy, or one device) at "
+    "precision 32-true or bf16-mixed, automatic optimization with one torch.optim optimizer, "
+    "accumulate_grad_batches=1, LR schedulers stepped every step, and a module that keeps Lightning's optimizer_step, "
+    "optimizer_zero_grad and backward; use checkpoint.mode=pec otherwise"
 )
 
+PRECISIONS = ("32-true", "bf16-mixed")
+"""Lightning precisions a replay repeats: fp32 weights (the logged compute weights are the fp32 masters) and, under
+``bf16-mixed``, the autocast that the strategy's ``training_step`` enters as Lightning's loop does."""
 
-def check_supported(world_size: int, precision: str) -> None:
+
+def check_supported(precision: str, data_parallel: str = "ddp") -> None:
     """Refuse what this slice of replay mode does not support yet, before training (the recipe and the callback)."""
-    if world_size != 1:
-        raise ValueError(f"checkpoint.mode=replay with {world_size} processes: {SUPPORTED}")
-    if str(precision) != "32-true":
+    if data_parallel != "ddp":
+        raise ValueError(f"checkpoint.mode=replay with trainer.data_parallel={data_parallel}: {SUPPORTED}")
+    if str(precision) not in PRECISIONS:
         raise ValueError(f"checkpoint.mode=replay with trainer.precision={precision!r}: {SUPPORTED}")
 
 
+def check_strategy(trainer: L.Trainer, module: L.LightningModule) -> None:
+    """:func:`check_supported` for a Trainer: its precision, the module's ``data_parallel`` (when it has one) and the
+    strategy, which must wrap the model as DDP does (or not at all) for :func:`replay_window` to drive its step."""
+    check_supported(trainer.precision, getattr(module, "data_parallel", "ddp"))
+    strategy = trainer.strategy
+    if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
+        raise ValueError(f"checkpoint.mode=replay under {type(strategy).__name__}: {SUPPORTED}")
+
+
 def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
-    """:func:`check_supported`, and what a replayed iteration must repeat exactly: Lightning's own optimization
-    loop, one optimizer, schedulers stepped once per step."""
-    check_supported(trainer.world_size, trainer.precision)
+    """What a replayed iteration must repeat exactly: Lightning's own optimization loop, one optimizer, schedulers
+    stepped once per step (:func:`check_strategy` ran at ``setup``)."""
     problems = []
     if trainer.accumulate_grad_batches != 1:
         problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
@@ -194,13 +214,29 @@ class WindowCapture:
         return log
 
 
-def load_window(storage: CheckpointStorage, lineage: Lineage) -> WindowLog | None:
-    """The newest complete window in storage, if ``lineage`` (its current timeline) wrote it."""
-    data = storage.get(WINDOW_OBJECT)
-    if data is None:
-        return None
-    log, stamp = WindowLog.from_bytes(data)
-    return log if lineage.admits(stamp, log.end_step) else None
+def window_object(rank: int, index: int) -> str:
+    """The storage object of ``rank``'s window number ``index`` (its first step over W): two per rank, alternating."""
+    return f"replay_window.rank{rank}.{index % 2}.pt"
+
+
+def store_window(storage: CheckpointStorage, rank: int, log: WindowLog, lineage: Lineage | None) -> None:
+    """Write ``rank``'s completed window over its window before the previous one."""
+    storage.put(window_object(rank, log.start_step // log.record.window), log.to_bytes(lineage))
+
+
+def load_window(storage: CheckpointStorage, rank: int, lineage: Lineage) -> WindowLog | None:
+    """``rank``'s part of the newest window that every rank completed in ``lineage``'s current timeline, or
+    ``None`` when they have none in common (collective: every rank gets its part of the same window)."""
+    mine: dict[int, WindowLog] = {}
+    for slot in range(2):
+        data = storage.get(window_object(rank, slot))
+        if data is None:
+            continue
+        log, stamp = WindowLog.from_bytes(data)
+        if lineage.admits(stamp, log.end_step):
+            mine[log.end_step] = log
+    common = set.intersection(*(set(ends) for ends in gather(sorted(mine))))
+    return mine[max(common)] if common else None
 
 
 @dataclass
@@ -235,7 +271,7 @@ def replay_window(trainer: L.Trainer, module: L.LightningModule, layout: Layout,
             run.before_forward(i)
             iteration = log.iterations[i]
             _set_rng_states(iteration.rng)
-            output = module.training_step(iteration.batch, iteration.batch_idx)
+            output = trainer.strategy.training_step(iteration.batch, iteration.batch_idx)  # DDP: module docstring
             loss = output["loss"] if isinstance(output, Mapping) else output
             module.on_before_backward(loss)
             loss.backward()

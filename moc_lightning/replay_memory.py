@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from moc_lightning.checkpointer import expected_state_bytes
 from moc_lightning.layout import Layout, UnitBytes
-from moc_lightning.replay import capture_bytes, window_schedule
+from moc_lightning.replay import offset_bytes, window_schedule
 from moc_lightning.units import Unit
 
 WINDOWS_KEPT = 2
@@ -76,4 +76,4 @@ class WindowMemory:
 def window_memory(layout: Layout, window: int) -> WindowMemory:
     """What replay mode with ``window`` iterations keeps in host memory for ``layout``'s units."""
     schedule, sizes = window_plan(layout, window)
-    return WindowMemory(tuple(capture_bytes(layout, schedule, window, sizes)), window)
+    return WindowMemory(tuple(offset_bytes(sizes, schedule, window)), window)

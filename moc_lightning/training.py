@@ -146,7 +146,7 @@ class TrainConfig(RecipeConfig):
         if self.trainer.data_parallel == "hsdp" and self.checkpoint.enabled:
             raise ValueError(f"trainer.data_parallel=hsdp with checkpoint.enabled=true: {HSDP_NOT_SUPPORTED}")
         if self.checkpoint.enabled and self.checkpoint.mode == "replay":
-            check_replay_supported(self.trainer.world_size, self.trainer.precision)
+            check_replay_supported(self.trainer.precision, self.trainer.data_parallel)
         self.checkpoint.validate_for(self.model.num_experts)
 
 

@@ -9,7 +9,10 @@ on the shipped byte corpus, on one CPU process, under these configurations:
 - ``pec_k1_persist_only``: K_snapshot = K_persist = 1, recovery from storage only (memory lost with the node);
 - ``two_level``: the paper's K_snapshot=4, K_persist=1 at N=16 scaled to N experts with
   ``k = max(1, round(k * N / 16))`` (N=8: 2 and 1); the snapshots in memory survive (a process crash);
-- ``dynamic_k``: ``pec_k1_persist_only`` with Dynamic-K (K doubles before accumulated PLT passes 3.75%).
+- ``dynamic_k``: ``pec_k1_persist_only`` with Dynamic-K (K doubles before accumulated PLT passes 3.75%);
+- ``replay``: ``checkpoint.mode=replay`` (window ``checkpoint.replay.window``'s default): every fault resumes at
+  the end of the newest complete window in storage and replays it, so no token is lost and the final
+  validation loss equals ``no_faults``' exactly (same seed; checked, the run fails otherwise).
 
 With ``sweep=1`` it also runs storage-only PEC (``K_snapshot = K_persist = K``) for every K in ``SWEEP_K`` and
 snapshot interval in ``SWEEP_INTERVALS`` (the same faults, moved off that interval's snapshot steps): PLT
@@ -94,7 +97,7 @@ class StudySettings:
     """Sequences per training and validation batch."""
     threads: int = 1
     """Torch intra-op threads (the machine is shared)."""
-    configs: str = "no_faults,full,pec_k1_persist_only,two_level,dynamic_k"
+    configs: str = "no_faults,full,pec_k1_persist_only,two_level,dynamic_k,replay"
     """Comma-separated configurations to run."""
     sweep: int = 0
     """1: also sweep storage-only PEC over ``SWEEP_K`` x ``SWEEP_INTERVALS`` (see :func:`sweep`)."""
@@ -139,6 +142,8 @@ class Configuration:
     memory_survives: bool = False
     """A process crash (snapshots in shared memory survive) rather than a lost node (storage only)."""
     dynamic_k: bool = False
+    mode: str = "pec"
+    """``checkpoint.mode``: ``replay`` ignores the K above and recovers every unit to its fault-free state."""
 
 
 def configurations(num_experts: int) -> dict[str, Configuration]:
@@ -151,6 +156,7 @@ def configurations(num_experts: int) -> dict[str, Configuration]:
         Configuration("pec_k1_persist_only", 1, 1),
         Configuration("two_level", paper_snapshot, paper_persist, memory_survives=True),
         Configuration("dynamic_k", 1, 1, dynamic_k=True),
+        Configuration("replay", n, n, mode="replay"),
     )
     return {row.name: row for row in rows}
 
@@ -235,6 +241,7 @@ def quiet() -> Iterator[None]:
 
 def checkpoint_config(config: Configuration, settings: StudySettings, work: Path) -> CheckpointConfig:
     return CheckpointConfig(
+        mode=config.mode,
         k_snapshot=config.k_snapshot,
         k_persist=config.k_persist,
         every_n_train_steps=settings.every_n_train_steps,
@@ -301,6 +308,8 @@ def run(config: Configuration, settings: StudySettings, seed: int) -> dict[str, 
             if moc.recovery is not None:
                 audit.record_recovery(moc.recovery.resume_step, moc.recovery.sources)
                 recoveries.append(_recovery_summary(moc))
+            if moc.replay_report is not None:
+                recoveries.append(_replay_summary(moc))
         val_loss = validation_loss(module, settings, work)
     pec = moc.engine.pec
     return {
@@ -312,6 +321,7 @@ def run(config: Configuration, settings: StudySettings, seed: int) -> dict[str, 
         "final_k": {"snapshot": pec.dynamic_k.k_snapshot, "persist": pec.dynamic_k.k_persist},
         "val_loss": val_loss,
         "recoveries": recoveries,
+        "replay_iterations": sum(r.get("replay_iterations", 0) for r in recoveries),
         "seconds": time.perf_counter() - started,
     }
 
@@ -341,6 +351,25 @@ def _recovery_summary(moc: MoCCheckpoint) -> dict[str, Any]:
     }
 
 
+def _replay_summary(moc: MoCCheckpoint) -> dict[str, Any]:
+    report = moc.replay_report
+    return {
+        "resume_step": report.resume_step,
+        "plt": report.plt,
+        "window_start": report.window_start,
+        "replay_iterations": report.replay_iterations,
+        "replay_seconds": report.replay_seconds,
+    }
+
+
+def replay_matches(runs: Sequence[dict[str, Any]]) -> bool | None:
+    """Whether every ``replay`` run's final validation loss equals (``==``) the ``no_faults`` run's of its seed;
+    ``None`` when the study ran no such pair."""
+    reference = {r["seed"]: r["val_loss"] for r in runs if r["config"] == "no_faults"}
+    pairs = [(r["val_loss"], reference[r["seed"]]) for r in runs if r["config"] == "replay" and r["seed"] in reference]
+    return all(got == want for got, want in pairs) if pairs else None
+
+
 def summary_table(runs: Sequence[dict[str, Any]]) -> str:
     """Markdown: one row per configuration, means over seeds, and the loss against ``no_faults`` and ``full``.
 
@@ -353,8 +382,8 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> str:
         by_config.setdefault(row["config"], []).append(row)
     lines = [
         "| config | seeds | faults | accumulated PLT | PLT recomputed | final K (snapshot/persist) "
-        "| val loss (mean) | val loss range | vs no_faults | vs full |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| val loss (mean) | val loss range | vs no_faults | vs full | window iterations replayed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in by_config.items():
         losses = [r["val_loss"] for r in rows]
@@ -363,7 +392,7 @@ def summary_table(runs: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {len(rows)} | {_mean(r['faults'] for r in rows):g} | {_mean(r['plt'] for r in rows):.3%} "
             f"| {_mean(r['plt_recomputed'] for r in rows):.3%} | {', '.join(ks)} | {_mean(losses):.4f} "
-            f"| {min(losses):.4f}-{max(losses):.4f} | {' | '.join(versus)} |"
+            f"| {min(losses):.4f}-{max(losses):.4f} | {' | '.join(versus)} | {_mean(r['replay_iterations'] for r in rows):g} |"
         )
     return "\n".join(lines)
 
@@ -428,11 +457,13 @@ def main(argv: Sequence[str]) -> None:
     ]
     swept = [progress(row) for row in sweep(settings)] if settings.sweep else []
     mismatched = [r for r in runs + swept if abs(r["plt"] - r["plt_recomputed"]) > PLT_TOLERANCE]
+    replay_exact = replay_matches(runs)
     result = {
         "settings": {**asdict(settings), "fault_steps": settings.fault_steps(), "model": asdict(MODEL)},
         "configurations": {name: asdict(table[name]) for name in settings.config_names},
         "k_scaling": K_SCALING,
         "plt_matches_recomputed": not mismatched,
+        "replay_equals_no_faults": replay_exact,
         "wall_seconds": time.perf_counter() - started,
         "runs": runs,
         "sweep": swept,
@@ -444,8 +475,12 @@ def main(argv: Sequence[str]) -> None:
         print(f"\n## Sweep: storage-only PEC, K x snapshot interval\n\n{sweep_table(swept)}")
     print(f"\nledger PLT == recomputed PLT for every run: {not mismatched}; "
           f"wall time {result['wall_seconds']:.0f} s; JSON: {settings.out}")
+    if replay_exact is not None:
+        print(f"replay's final val loss == no_faults' (same seed) for every seed: {replay_exact}")
     if mismatched:
         raise SystemExit(f"ledger PLT differs from the recomputation in {len(mismatched)} run(s)")
+    if replay_exact is False:
+        raise SystemExit("replay's final validation loss differs from the no-fault run's: a fault lost state")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.config import CheckpointConfig, DynamicKConfig, StorageConfig
+from moc_lightning.config import CheckpointConfig, DynamicKConfig, ReplayConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import build_layout
 from moc_lightning.models import GPTMoEConfig
@@ -35,17 +35,21 @@ class Capture(L.Callback):
         self.every = every
         self.counts: dict[int, list[list[int]]] = {}
         self.assigned: dict[int, list[int]] = {}
+        self._saw_start = False
 
     def _layout_tensors(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
         layout = build_layout(module, trainer.optimizers[0], num_experts=MODEL.num_experts)
         return {k: v.detach().clone() for k, v in layout.pieces(layout.units).items()}  # fsdp2: this rank's pieces
 
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if trainer.global_step > 0:
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        """The restored state, before the first step after a resume: not at ``on_train_start``, which Lightning calls
+        on this callback before MoC's (checkpoint callbacks go last), where ``mode=replay`` replays its window."""
+        if trainer.global_step > 0 and not self._saw_start:
             torch.save(
                 {"step": trainer.global_step, "tensors": self._layout_tensors(trainer, module)},
                 self.out / f"restored_rank{trainer.global_rank}.pt",
             )
+        self._saw_start = True
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -77,9 +81,13 @@ def main() -> None:
     parser.add_argument("--k-persist", type=int, default=1)
     parser.add_argument("--data-parallel", default="ddp")
     parser.add_argument("--pec-scope", default="both")
+    parser.add_argument("--mode", default="pec", help="checkpoint.mode")
+    parser.add_argument("--window", type=int, default=5, help="checkpoint.replay.window (with --mode replay)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = CheckpointConfig(
+        mode=args.mode,
+        replay=ReplayConfig(window=args.window),
         k_snapshot=args.k_snapshot,
         k_persist=args.k_persist,
         pec_scope=args.pec_scope,

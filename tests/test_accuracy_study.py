@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_KEYS = {"config", "seed", "plt", "plt_recomputed", "faults", "final_k", "val_loss", "recoveries", "seconds"}
+RUN_KEYS = {
+    "config", "seed", "plt", "plt_recomputed", "faults", "final_k", "val_loss", "recoveries", "seconds",
+    "replay_iterations",
+}
 
 
 @pytest.mark.slow
@@ -57,3 +60,28 @@ def test_sweep_runs_storage_only_pec_over_k_and_interval(tmp_path: Path) -> None
         assert row["config"] == f"pec_k{k}_every{interval}" and row["final_k"] == {"snapshot": k, "persist": k}
         assert row["faults"] == 2 and all(set(r["sources"]) <= {"storage", "none"} for r in row["recoveries"])
         assert row["plt"] == pytest.approx(row["plt_recomputed"], abs=1e-9)
+
+
+@pytest.mark.slow
+def test_replay_under_faults_ends_on_the_no_fault_loss_exactly(tmp_path: Path) -> None:
+    """``replay`` (checkpoint.mode=replay) loses no tokens: after a fault every fault_every steps, its final validation
+    loss is the no-fault run's (same seed), equal, not close; the table prints its PLT (0) and replayed iterations."""
+    out = tmp_path / "study.json"
+    command = [
+        sys.executable, str(ROOT / "recipes/accuracy_study.py"), f"out={out}", "steps=20", "fault_every=7",
+        "val_batches=1", "batch_size=4", "configs=no_faults,replay",
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+
+    assert result["settings"]["fault_steps"] == [11, 17]  # 7+3, 14+3; 10 is a snapshot step: one later
+    runs = {row["config"]: row for row in result["runs"]}
+    replay, reference = runs["replay"], runs["no_faults"]
+    assert set(replay) == RUN_KEYS
+    assert replay["faults"] == 2 and replay["plt"] == 0 and replay["plt_recomputed"] == 0
+    assert replay["replay_iterations"] > 0 and reference["replay_iterations"] == 0
+    assert all(r["plt"] == 0 and r["replay_iterations"] > 0 for r in replay["recoveries"])
+    assert replay["val_loss"] == reference["val_loss"], "replay must end on the fault-free state exactly"
+    assert result["replay_equals_no_faults"] is True
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| replay |"))
+    assert "| 0.000% |" in row and f"| {replay['replay_iterations']} |" in row

@@ -131,8 +131,10 @@ def test_wrong_type_is_rejected() -> None:
         (["data.source=web"], "data.source='web' is not one of stdlib, text, bin"),
         (["checkpoint.mode=sparse"], "checkpoint.mode='sparse' is not allowed; choose one of: pec, replay"),
         (["checkpoint.mode=replay", "checkpoint.replay.window=0"], "checkpoint.replay.window must be >= 1, got 0"),
-        (["checkpoint.mode=replay"], "checkpoint.mode=replay with 2 processes: checkpoint.mode=replay supports, so far, one process"),
-        (["checkpoint.mode=replay", "trainer.devices=1", "trainer.precision=bf16-mixed"], "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
+        (["checkpoint.mode=replay", "checkpoint.replay.window=big"], "checkpoint.replay.window='big' is not allowed; choose an integer >= 1 or auto"),
+        (["checkpoint.mode=replay", "trainer.data_parallel=zero2"], "checkpoint.mode=replay with trainer.data_parallel=zero2: checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp"),
+        (["checkpoint.mode=replay", "trainer.data_parallel=fsdp2"], "checkpoint.mode=replay with trainer.data_parallel=fsdp2: checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp"),
+        (["checkpoint.mode=replay", "trainer.precision=16-mixed"], "checkpoint.mode=replay with trainer.precision='16-mixed'"),
     ],
 )
 def test_bad_values_name_the_option(overrides: list[str], message: str) -> None:
@@ -165,10 +167,13 @@ def test_checkpoint_config_validates_without_hydra() -> None:
 
 
 
-def test_replay_mode_composes_for_one_process() -> None:
-    cfg = to_train_config(_compose(["checkpoint.mode=replay", "checkpoint.replay.window=8", "trainer.devices=1"]))
-    assert (cfg.checkpoint.mode, cfg.checkpoint.replay.window) == ("replay", 8)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_replay_mode_composes_under_ddp(devices: int) -> None:
+    cfg = to_train_config(_compose(["checkpoint.mode=replay", "checkpoint.replay.window=8", f"trainer.devices={devices}"]))
+    assert (cfg.checkpoint.mode, cfg.checkpoint.replay.window, cfg.trainer.data_parallel) == ("replay", 8, "ddp")
     assert to_train_config(_compose([])).checkpoint.mode == "pec"
+    auto = to_train_config(_compose(["checkpoint.mode=replay", "checkpoint.replay.window=auto", "trainer.devices=1"]))
+    assert auto.checkpoint.replay.window == "auto"
 
 
 def _hf_train_config(overrides: list[str]):

@@ -7,6 +7,7 @@ eq. 7 computed by hand from the router counts of every step.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ unit has a piece on every node: :func:`test_node_loss_under_fsdp2_takes_every_un
 
 
 def launch_drill(
-    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both"
+    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both", mode: str = "pec"
 ) -> subprocess.CompletedProcess[str]:
     """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
@@ -43,7 +44,7 @@ def launch_drill(
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
         "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
         "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY), "--data-parallel", data_parallel,
-        "--pec-scope", pec_scope,
+        "--pec-scope", pec_scope, "--mode", mode, "--window", str(EVERY),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -211,3 +212,65 @@ def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tm
     check_bitwise(tmp_path, reports)
     manifest = Manifest.from_json((tmp_path / "ckpt" / "manifest.json").read_bytes())
     assert [r.step for r in manifest.records] == [5, 25, 30], "the restarted run persisted again at 25 (30: its end)"
+
+
+def _fault_drill_recipe():
+    spec = importlib.util.spec_from_file_location("fault_drill", ROOT / "recipes/fault_drill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_drill_report_has_plt_and_replay_iterations_in_either_mode() -> None:
+    """``out`` holds the faulty rank's report with ``plt`` and ``replay_iterations`` (0 under PEC, which replays no
+    window) beside the scenario, the mode and every rank's report."""
+    drill = _fault_drill_recipe()
+    pec = {"resume_step": 20, "plt": 0.012, "sources": {"dense/embed": {"level": "memory_local", "step": 20}},
+           "recover_seconds": 0.1}  # fmt: skip
+    replayed = {"mode": "replay", "window_start": 16, "resume_step": 20, "replay_iterations": 3,
+                "replay_seconds": 0.2, "plt": 0.0}  # fmt: skip
+    for mode, report, iterations in (("pec", pec, 0), ("replay", replayed, 3)):
+        result = drill.drill_result({0: report, 1: report}, "crash", 1, mode)
+        assert result["plt"] == report["plt"] and result["replay_iterations"] == iterations
+        assert (result["scenario"], result["mode"], result["faulty_rank"]) == ("crash", mode, 1)
+        assert set(result["ranks"]) == {0, 1}
+        line = drill.summary(result)
+        assert f"replay_iterations={iterations}" in line and "plt=" in line
+    with pytest.raises(SystemExit, match="rank 2 wrote no recovery report"):
+        drill.drill_result({0: pec}, "node_loss", 2, "pec")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["scenario=crash_in_persist", "mode=replay"],
+         "scenario=crash_in_persist with mode=replay: replay mode takes no snapshots or persists; choose crash or node_loss"),
+        (["scenario=crash", "mode=sparse"], "mode='sparse' is not one of pec, replay"),
+    ],
+)  # fmt: skip
+def test_the_drill_refuses_a_mode_it_cannot_run(tmp_path: Path, args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        _fault_drill_recipe().parse([*args, f"out={tmp_path / 'drill.json'}"])
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("fault", "faulty"), [("rank=1,step=23,phase=train", 1), ("rank=2,step=23,phase=train,node_loss=1", 2)],
+    ids=["crash", "node_loss"],
+)
+def test_replay_drill_resumes_every_rank_bitwise_at_the_window_end_with_no_lost_tokens(
+    tmp_path: Path, fault: str, faulty: int
+) -> None:
+    """``checkpoint.mode=replay`` (window 5, so windows end on the capture steps 5, 10, ...): a crash, or a lost node
+    with its shared memory, at step 23 resumes every rank at 20, the newest complete window's end, replays its 4 later
+    iterations, and every rank's state is then bitwise what it was at step 20 before the fault; PLT 0."""
+    launch_drill(tmp_path, fault, mode="replay")
+    reports = [json.loads((tmp_path / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank, report in enumerate(reports):
+        assert report["mode"] == "replay" and report["plt"] == 0.0
+        assert (report["window_start"], report["resume_step"], report["replay_iterations"]) == (15, 20, EVERY - 1)
+        restored = torch.load(tmp_path / "capture" / f"restored_rank{rank}.pt", weights_only=False)
+        captured = _capture(tmp_path, rank, 20)["tensors"]
+        assert restored["step"] == 20 and sorted(restored["tensors"]) == sorted(captured)
+        differ = [k for k, t in captured.items() if not torch.equal(restored["tensors"][k], t)]
+        assert differ == [], f"rank {rank} (faulty: {faulty}) after the replay: {differ[:5]}"

@@ -1,12 +1,15 @@
-"""``checkpoint.mode=replay`` in a Lightning fit (one process): after a crash at a random step, the resume
-replays the newest complete window through the module's own ``training_step`` and the run ends bitwise on
-the uninterrupted run's state; ``mode=pec`` under the same fault does not."""
+"""``checkpoint.mode=replay`` in a Lightning fit (one process; several ranks: test_replay_ddp.py): after a crash at
+a random step, the resume replays the newest complete window through the module's own ``training_step`` and the
+run ends bitwise on the uninterrupted run's state; ``mode=pec`` under the same fault does not."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.replay_driver import WINDOW_OBJECT
+from moc_lightning.replay_driver import window_object
 
 MAX_STEPS = 12
 WINDOW = 3
@@ -42,12 +45,13 @@ def _config(root: Path, mode: str) -> CheckpointConfig:
     return moc_config(root, mode=mode, replay=ReplayConfig(window=WINDOW), every_n_train_steps=2, k_snapshot=2)
 
 
-def _crash_and_resume(root: Path, mode: str) -> tuple[dict[str, torch.Tensor], object]:
+def _crash_and_resume(root: Path, mode: str, **trainer_options: Any) -> tuple[dict[str, torch.Tensor], object]:
     crash = _crash_step()
-    fit_or_crash(root, _config(root, mode), MAX_STEPS, Recorder(crash_after=crash), gradient_clip_val=CLIP)
+    options = {"gradient_clip_val": CLIP, **trainer_options}
+    fit_or_crash(root, _config(root, mode), MAX_STEPS, Recorder(crash_after=crash), **options)
     resumed = Recorder(at=(MAX_STEPS,))
     logger = CSVLogger(root / "logs", name="", version="")
-    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], gradient_clip_val=CLIP, logger=logger)
+    moc = fit(root, _config(root, mode), MAX_STEPS, [resumed], logger=logger, **options)
     return resumed.states[MAX_STEPS], moc
 
 
@@ -59,7 +63,7 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 @pytest.mark.parametrize(
     ("trainer_options", "message"),
     [
-        ({"precision": "bf16-mixed"}, "checkpoint.mode=replay with trainer.precision='bf16-mixed'"),
+        ({"precision": "64-true"}, "checkpoint.mode=replay with trainer.precision='64-true'"),
         ({"accumulate_grad_batches": 2}, "cannot replay this fit (accumulate_grad_batches=2)"),
     ],
 )
@@ -79,7 +83,7 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
 ) -> None:
     final, moc = _crash_and_resume(tmp_path, "replay")
     report = moc.replay_report
-    stored = (tmp_path / "ckpt" / WINDOW_OBJECT).stat().st_size
+    stored = (tmp_path / "ckpt" / window_object(0, report.window_start // WINDOW)).stat().st_size
     print(f"replayed {report.replay_iterations} iterations of the window from step {report.window_start} "
           f"in {report.replay_seconds * 1e3:.1f} ms; resumed at step {report.resume_step}; window in storage "
           f"{stored / 1e6:.2f} MB")
@@ -87,6 +91,8 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
     assert report.plt == 0.0
     logged = (tmp_path / "logs" / "metrics.csv").read_text()
     assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
+    written = json.loads((tmp_path / "run" / "moc_recovery" / "rank0.json").read_text())  # what fault drills read
+    assert written == {"mode": "replay", **asdict(report)}
     assert _differing(final, uninterrupted) == []
 
 
@@ -113,3 +119,32 @@ def test_a_crash_before_the_first_complete_window_starts_over_in_the_lineage(
     assert moc.replay_report is None and resumed.start_step == 0
     assert len(moc.engine.lineage.segments) == 2, "resumed within the lineage, not a new one"
     assert _differing(resumed.states[MAX_STEPS], uninterrupted) == []
+
+
+def test_auto_window_is_chosen_from_the_first_iterations_and_logged_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``checkpoint.replay.window=auto``: the first iterations are timed and the copy bandwidth measured, then W is
+    chosen (1 <= W <= units), windows of that W are captured, and the choice with its inputs is logged once."""
+    logger = CSVLogger(tmp_path / "logs", name="", version="")
+    config = moc_config(tmp_path, mode="replay", replay=ReplayConfig(window="auto"))
+    moc = fit(tmp_path, config, MAX_STEPS, [], logger=logger)
+    choice = moc.window_choice
+    assert choice is not None and 1 <= choice.window <= len(moc.engine.pec.layout.units)
+    assert choice.copy_bandwidth > 0 and choice.iteration_seconds > 0
+    assert moc.capture is not None and moc.capture.window == choice.window
+    out = capsys.readouterr().out
+    print(out)
+    assert out.count("checkpoint.replay.window=auto chose") == 1
+    logged = (tmp_path / "logs" / "metrics.csv").read_text()
+    assert "moc/replay_window" in logged and "moc/replay_copy_gbps" in logged and "moc/iteration_ms" in logged
+
+
+def test_replay_under_bf16_mixed_ends_bitwise_on_the_uninterrupted_state(tmp_path: Path) -> None:
+    """The replayed ``training_step`` runs under the precision plugin's autocast, as the original one did."""
+    straight = Recorder(at=(MAX_STEPS,))
+    fit(tmp_path / "straight", _config(tmp_path / "straight", "replay"), MAX_STEPS, [straight],
+        gradient_clip_val=CLIP, precision="bf16-mixed")
+    final, moc = _crash_and_resume(tmp_path / "faulty", "replay", precision="bf16-mixed")
+    assert moc.replay_report.replay_iterations == WINDOW - 1
+    assert _differing(final, straight.states[MAX_STEPS]) == []

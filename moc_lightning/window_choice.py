@@ -1,0 +1,158 @@
+"""``checkpoint.replay.window=auto``: the replay window W from the measured copy bandwidth and iteration time.
+
+Every iteration replay mode copies the full state of the units active there and the weights of the units still
+frozen (:func:`~moc_lightning.replay.offset_bytes`). A larger W spreads the full states thinner, so the largest
+copy of an iteration falls, but a resume replays up to W-1 iterations, and the weights logged at the window's
+first offset are a floor no W goes below. So W is the smallest window whose largest per-iteration copy takes at
+most ``COPY_BUDGET`` of an iteration at the measured copy bandwidth; when no W from 1 to the number of units
+fits, the one that copies least (the smallest such W), and the choice says that the budget is not met.
+
+The inputs are measured in the fit's first iterations (:class:`WindowProbe`): an iteration's time from batch
+start to batch end (forward, backward, optimizer step), the median of ``MEASURED_ITERATIONS`` after
+``WARMUP_ITERATIONS``; and the copy bandwidth into a reused buffer (:func:`~moc_lightning.copy_speed.copy_gbps`,
+the snapshot's speed of light) over the live state of the units, at most ``MEASURE_BYTES`` of it. No window is
+captured before W is chosen: a fault in those first iterations finds nothing newer to replay.
+
+The budget weighs the copy only. The write of each completed window to storage, synchronous every W iterations in
+this slice (:mod:`moc_lightning.replay_driver`), is not in it: it is to move to the background persist as PEC's
+snapshots go, off the training thread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moc_lightning.copy_speed import GB, copy_gbps
+from moc_lightning.layout import Layout, UnitBytes
+from moc_lightning.replay import offset_bytes, window_schedule
+from moc_lightning.units import Unit
+
+COPY_BUDGET = 0.05
+"""Fraction of an iteration one iteration's copy may take. The capture copies on the training thread (the window is
+captured synchronously in this slice of replay mode), so every byte it copies is time the iteration waits, and
+issue 14 allows replay mode 5% iteration overhead over training without checkpoints."""
+WARMUP_ITERATIONS = 1
+"""Iterations not timed: the first one allocates the optimizer state and warms caches."""
+MEASURED_ITERATIONS = 3
+"""Iterations timed after the warm-up; their median is the iteration time."""
+MEASURE_BYTES = 256 << 20
+"""Bytes of live state the bandwidth is measured on (largest tensors first): enough for a steady copy rate, without
+a second full state in host memory for a large model."""
+
+
+def peak_copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> int:
+    """The largest copy of one iteration of a window of ``window`` iterations over units of ``sizes``."""
+    return max(offset_bytes(sizes, window_schedule(list(sizes), window, sizes), window))
+
+
+@dataclass(frozen=True)
+class WindowChoice:
+    """W and what it was chosen from."""
+
+    window: int
+    """W, from 1 to the number of units."""
+    copy_bytes: int
+    """The largest copy of one iteration at W (bytes)."""
+    copy_bandwidth: float
+    """Measured copy bandwidth into a reused buffer (bytes per second)."""
+    iteration_seconds: float
+    """Measured time of one iteration."""
+    budget: float
+    """Fraction of an iteration the copy may take."""
+    fits: bool
+    """Whether the copy at W takes at most ``budget`` of an iteration."""
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.copy_bytes / self.copy_bandwidth
+
+    def describe(self) -> str:
+        """One line: W and its inputs."""
+        verdict = "fits" if self.fits else "does not fit (no window does; W copies least)"
+        return (
+            f"checkpoint.replay.window=auto chose W={self.window}: largest copy of an iteration "
+            f"{self.copy_bytes / 1e6:.3f} MB at {self.copy_bandwidth / GB:.2f} GB/s = {self.copy_seconds * 1e3:.3f} ms, "
+            f"which {verdict} the budget of {self.budget:.0%} of a measured iteration of "
+            f"{self.iteration_seconds * 1e3:.2f} ms"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """What a logger records, once."""
+        return {
+            "moc/replay_window": float(self.window),
+            "moc/replay_copy_gbps": self.copy_bandwidth / GB,
+            "moc/replay_copy_ms": self.copy_seconds * 1e3,
+            "moc/iteration_ms": self.iteration_seconds * 1e3,
+        }
+
+
+def choose_window(
+    sizes: Mapping[Unit, UnitBytes], copy_bandwidth: float, iteration_seconds: float, budget: float = COPY_BUDGET
+) -> WindowChoice:
+    """The smallest W in 1 .. len(sizes) whose largest per-iteration copy takes at most ``budget`` of an iteration
+    at ``copy_bandwidth`` (bytes per second); when none does, the smallest W of least copy (module docstring).
+
+    Scans W upwards and stops at the first that fits, one schedule per W: cheap for the tens of units of the
+    reference models; a model of thousands of units that fits no W pays a scan of them all.
+    """
+    if not sizes:
+        raise ValueError("choosing a replay window needs at least one unit")
+    if copy_bandwidth <= 0:
+        raise ValueError(f"copy bandwidth must be > 0 bytes per second, got {copy_bandwidth}")
+    if iteration_seconds <= 0:
+        raise ValueError(f"iteration time must be > 0 seconds, got {iteration_seconds}")
+    if not 0 < budget <= 1:
+        raise ValueError(f"copy budget must be in (0, 1] of an iteration, got {budget}")
+
+    def choice(window: int, peak: int) -> WindowChoice:
+        fits = peak / copy_bandwidth <= budget * iteration_seconds
+        return WindowChoice(window, peak, copy_bandwidth, iteration_seconds, budget, fits)
+
+    least: WindowChoice | None = None
+    for window in range(1, len(sizes) + 1):
+        candidate = choice(window, peak_copy_bytes(sizes, window))
+        if candidate.fits:
+            return candidate
+        if least is None or candidate.copy_bytes < least.copy_bytes:
+            least = candidate
+    return least
+
+
+class WindowProbe:
+    """Times the fit's first iterations (:meth:`begin`/:meth:`end` around each), then measures the copy bandwidth
+    and chooses W (:meth:`choose`)."""
+
+    def __init__(self) -> None:
+        self._seconds: list[float] = []
+        self._started: float | None = None
+
+    def begin(self) -> None:
+        self._started = time.perf_counter()
+
+    def end(self) -> bool:
+        """Close the iteration's timing; whether enough iterations are timed to choose."""
+        if self._started is not None:
+            self._seconds.append(time.perf_counter() - self._started)
+            self._started = None
+        return len(self._seconds) >= WARMUP_ITERATIONS + MEASURED_ITERATIONS
+
+    def choose(self, layout: Layout) -> WindowChoice:
+        """W for ``layout``'s units as they are now (their optimizer state exists after the first step)."""
+        sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}
+        return choose_window(sizes, self._bandwidth(layout), statistics.median(self._seconds[WARMUP_ITERATIONS:]))
+
+    @staticmethod
+    def _bandwidth(layout: Layout) -> float:
+        tensors: list[torch.Tensor] = []
+        total = 0
+        for tensor in sorted(layout.tensors(layout.units).values(), key=lambda t: -t.numel() * t.element_size()):
+            if tensors and total >= MEASURE_BYTES:
+                break
+            tensors.append(tensor)
+            total += tensor.numel() * tensor.element_size()
+        return copy_gbps(tensors) * GB
