@@ -56,7 +56,7 @@ from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_dat
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay_driver import WINDOW_OBJECT
+from moc_lightning.replay_driver import WINDOW_PREFIX, window_object
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
 
@@ -556,7 +556,7 @@ class ReplayMethod(MoCMethod):
 
         def wrapper(*args: Any, **kwargs: Any) -> None:
             storage = self.checkpoint.engine.pec.storage
-            timed(storage, "put", self.probe.persist, _step_of(trainer), only=lambda name, data: name == WINDOW_OBJECT)
+            timed(storage, "put", self.probe.persist, _step_of(trainer), only=lambda name, data: name.startswith(WINDOW_PREFIX))
             on_train_start(*args, **kwargs)
 
         return wrapper
@@ -566,8 +566,9 @@ class ReplayMethod(MoCMethod):
         return [s for _, s in self.probe.blocking]
 
     def checkpoints(self) -> list[Path]:
-        window = self.root / "ckpt" / WINDOW_OBJECT
-        return [window] if window.exists() else []
+        """The newest window this process wrote (one of the two objects rank 0 alternates)."""
+        written = [p for p in (self.root / "ckpt" / window_object(0, index) for index in range(2)) if p.exists()]
+        return [max(written, key=lambda p: p.stat().st_mtime_ns)] if written else []
 
     def expected_bytes(self, trainer: L.Trainer) -> float | None:
         """A window's tensor bytes: what its W captures copied."""

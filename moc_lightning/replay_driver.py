@@ -214,9 +214,13 @@ class WindowCapture:
         return log
 
 
+WINDOW_PREFIX = "replay_window."
+"""Names of the storage objects holding windows begin so."""
+
+
 def window_object(rank: int, index: int) -> str:
     """The storage object of ``rank``'s window number ``index`` (its first step over W): two per rank, alternating."""
-    return f"replay_window.rank{rank}.{index % 2}.pt"
+    return f"{WINDOW_PREFIX}rank{rank}.{index % 2}.pt"
 
 
 def store_window(storage: CheckpointStorage, rank: int, log: WindowLog, lineage: Lineage | None) -> None:
