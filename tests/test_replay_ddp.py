@@ -73,14 +73,16 @@ def _fit(root: Path, devices: int, ep: int, callbacks: list[L.Callback], **kw: A
     return moc
 
 
-def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, lose_newest: bool) -> dict[str, Any]:
+def _runs(
+    rank: int, world_size: int, root: str, ep: int, crash: int, lose_newest: bool, precision: str
+) -> dict[str, Any]:
     """The uninterrupted run (its state at every window's end and at ``max_steps``); a run that crashes after step
     ``crash`` on every rank (with ``lose_newest``, rank 1 lost its newest window: it was killed before writing
     it); its resume in a new Trainer (the state as its first step begins, and at ``max_steps``)."""
     straight = Recorder(at=(*range(WINDOW, MAX_STEPS, WINDOW), MAX_STEPS), model=NOISY)
-    _fit(Path(root) / "straight", world_size, ep, [straight])
+    _fit(Path(root) / "straight", world_size, ep, [straight], precision=precision)
     try:
-        _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)])
+        _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)], precision=precision)
     except Crash:
         pass
     if lose_newest and rank == 1:
@@ -88,7 +90,7 @@ def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, lose_newes
     torch.distributed.barrier()
     resumed = FirstStep(at=(MAX_STEPS,), model=NOISY)
     logger = CSVLogger(Path(root) / "faulty" / "logs", name="", version="")
-    moc = _fit(Path(root) / "faulty", world_size, ep, [resumed], logger=logger)
+    moc = _fit(Path(root) / "faulty", world_size, ep, [resumed], logger=logger, precision=precision)
     return {
         "straight": straight.states,
         "report": asdict(moc.replay_report) if moc.replay_report is not None else None,
@@ -105,16 +107,18 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "ep", "lose_newest"),
-    [(2, 1, False), (4, 2, True)],
-    ids=["2_ranks_ddp", "4_ranks_ep2_rank1_lost_its_newest_window"],
+    ("world_size", "ep", "lose_newest", "precision"),
+    [(2, 1, False, "32-true"), (2, 2, False, "bf16-mixed"), (4, 2, True, "32-true")],
+    ids=["2_ranks_ddp", "2_ranks_ep2_bf16_mixed", "4_ranks_ep2_rank1_lost_its_newest_window"],
 )
 def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
-    tmp_path: Path, world_size: int, ep: int, lose_newest: bool
+    tmp_path: Path, world_size: int, ep: int, lose_newest: bool, precision: str
 ) -> None:
     """``lose_newest``: the ranks agree on the window before the newest, the newest one rank 1 completed."""
     crash = _crash_step(2 * WINDOW if lose_newest else WINDOW + 1)
-    ranks = run_ranks(_runs, world_size, tmp_path, str(tmp_path), ep, crash, lose_newest, init_process_group=False)
+    ranks = run_ranks(
+        _runs, world_size, tmp_path, str(tmp_path), ep, crash, lose_newest, precision, init_process_group=False
+    )
 
     resume_step = crash // WINDOW * WINDOW - (WINDOW if lose_newest else 0)
     for rank, run in enumerate(ranks):
