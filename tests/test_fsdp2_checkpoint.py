@@ -186,7 +186,7 @@ def test_a_k1_persist_writes_each_ranks_pieces_and_eq6_over_ranks(written_by_fsd
 
 
 @contextlib.contextmanager
-def _no_gathering() -> Iterator[None]:
+def no_gathering() -> Iterator[None]:
     """Fail a DTensor gathered (``full_tensor``, ``redistribute``) or a tensor all-gather through ``torch.distributed``
     while inside (DCP's exchange of plans, pickled objects, still runs)."""
 
@@ -213,7 +213,7 @@ def _snapshot_and_recover(rank: int, world_size: int, root: str, lose_rank: int 
     for step in (1, 2):
         trainee.step(step)
         pec.record_tokens(trainee.model.moe_layers())
-        with _no_gathering():
+        with no_gathering():
             engine.snapshot(step, {"step": step})
             engine.wait_snapshot()
             engine.finish()
