@@ -23,11 +23,13 @@ WORLD, SHARD = 4, 2
 
 
 def _write_and_reload(rank: int, world_size: int, root: str) -> dict:
-    """:func:`train_and_checkpoint` under HSDP (ep=1) with nothing gathered while checkpointing, and a fresh HSDP model
-    restored from it on the same ranks; then a second model's K=1 persist of its step 3, to storage of its own."""
+    """:func:`train_and_checkpoint` under HSDP (ep=1) with nothing gathered while checkpointing; fresh models restored
+    from it on the same ranks, under HSDP and under FSDP2 over all 4 ranks (shard groups of 4, not 2: DCP reshards);
+    then a second model's K=1 persist of its step 3, to storage of its own."""
     url = Path(root, "ckpt").as_uri()
     written = train_and_checkpoint(rank, world_size, url, 1, fsdp2=True, shard_size=SHARD, guard=no_gathering)
     reloaded = load_fresh(rank, world_size, url, 1, fsdp2=True, shard_size=SHARD)
+    as_fsdp2 = load_fresh(rank, world_size, url, 1, fsdp2=True)
     trainee = Trainee(ExpertParallelTopology.from_process_group(1), fsdp2=True, shard_size=SHARD)
     k1 = trainee.engine(every_step_config(1, 1), Path(root, "k1").as_uri())
     for step in (1, 2, 3):
@@ -36,7 +38,7 @@ def _write_and_reload(rank: int, world_size: int, root: str) -> dict:
     with no_gathering():
         report = k1.checkpoint(3)
     return written | {
-        "reloaded": reloaded, "captured_3": trainee.snapshot(), "k1_report": report, "k1_eq6": k1.size_model().c_pec(1)
+        "reloaded": reloaded, "as_fsdp2": as_fsdp2, "captured_3": trainee.snapshot(), "k1_report": report, "k1_eq6": k1.size_model().c_pec(1)
     }
 
 
@@ -83,13 +85,16 @@ def test_a_k1_persist_splits_each_replicated_piece_over_its_holders(written_by_h
 
 
 @pytest.mark.slow
-def test_an_hsdp_checkpoint_loads_under_fsdp2(tmp_path: Path, written_by_hsdp: tuple[Path, list[dict]]) -> None:
-    """HSDP on 4 ranks -> FSDP2 on 2 ranks: DCP reshards each unit from the pieces the replicas wrote, bitwise the
-    whole tensors as they were (the oracles all-gathered them)."""
-    root, written = written_by_hsdp
-    loaded = run_ranks(load_fresh, 2, tmp_path, (root / "ckpt").as_uri(), 1, "filesystem", False, True)
-    for got in loaded:
+def test_an_hsdp_checkpoint_loads_under_fsdp2(written_by_hsdp: tuple[Path, list[dict]]) -> None:
+    """HSDP (shard groups of 2, replicated twice) -> FSDP2 sharded over all 4 ranks: each rank loads its quarter of every
+    unit, which DCP cuts from the pieces the replicas wrote; together (all-gathered by the oracle) they are bitwise the
+    whole tensors as they were."""
+    _, written = written_by_hsdp
+    for wrote in written:
+        got = wrote["as_fsdp2"]
         check_round_trip(written[0] | {"captured": written[0]["captured_full"]} | got | {"loaded": got["loaded_full"]})
+        hsdp_rows = wrote["reloaded"]["loaded"]["dense/wte/param/weight"].shape[0]
+        assert got["loaded"]["dense/wte/param/weight"].shape[0] * 2 == hsdp_rows, "FSDP2 pieces are half HSDP's"
 
 
 @pytest.mark.slow
