@@ -44,7 +44,7 @@ from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, part_of, split_part_key
-from moc_lightning.pieces import as_dtensors, check_supported, gather_holders
+from moc_lightning.pieces import as_dtensors, check_supported, gather_holders, unit_replicas
 from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range, whole_rows
 from moc_lightning.replica_writes import replica_writes
 from moc_lightning.sealed import SealError, seal, unseal
@@ -178,9 +178,12 @@ class PECCheckpointer:
         self.state_owners = gather_state_owners(layout)
         """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
         unit is then snapshotted and written whole there. ``None`` when every holder keeps the state (DDP)."""
-        self.piece_holders = gather_holders(u.key for u in layout.units) if layout.sharded else None
-        """Under FSDP2 (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the ranks holding a piece of it,
-        for every unit of the model; each of them snapshots and writes its own pieces. ``None`` otherwise."""
+        self.piece_holders = gather_holders(
+            {u.key: unit_replicas(layout.tensors([u]).values(), topology.rank) for u in layout.units}
+        ) if layout.sharded else None
+        """Under FSDP2/HSDP (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the holders of each of its
+        pieces (a piece's replicas under HSDP), for every unit of the model; each holder snapshots its own pieces, and
+        a persist writes each piece once. ``None`` otherwise."""
         if self.piece_holders is not None and cfg.pec_scope != "both":
             raise ValueError(
                 f"checkpoint.pec_scope={cfg.pec_scope!r} is not supported under FSDP2 (DTensor parameters) yet; "
@@ -626,7 +629,7 @@ class PECCheckpointer:
         them (Adam's scalar ``step``, alike on every holder) by the unit's first holder."""
         writes = replica_writes(state, self.topology.rank, self.cfg.sharding)
         for key, tensor in state.items():
-            if not isinstance(tensor, DTensor) and self.piece_holders[parse_unit(key).key][0] == self.topology.rank:
+            if not isinstance(tensor, DTensor) and self.piece_holders[parse_unit(key).key][0][0] == self.topology.rank:
                 writes[key] = whole_rows(tensor)
         return writes
 

@@ -74,16 +74,22 @@ def as_dtensors(local: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tens
     return out
 
 
-def gather_holders(held: Iterable[str]) -> dict[str, tuple[int, ...]]:
-    """Unit key -> the ranks holding a piece of it, from every rank's ``held`` unit keys (collective over the
-    default group, on the training thread)."""
-    mine = sorted(held)
-    parts: list[list[str]] = [mine]
+def unit_replicas(tensors: Iterable[torch.Tensor], rank: int) -> tuple[int, ...]:
+    """The ranks holding the same pieces of a unit's ``tensors`` as ``rank`` (this rank): its first DTensor's
+    :func:`replicas` (a unit's tensors share a mesh), or ``rank`` alone when it has none."""
+    return next((replicas(t) for t in tensors if isinstance(t, DTensor)), (rank,))
+
+
+def gather_holders(held: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Unit key -> the holders of each of its pieces (each a tuple of replicas; one rank under FSDP2), ascending, from
+    every rank's ``held``: unit key -> :func:`unit_replicas` (collective over the default group, on the training
+    thread)."""
+    parts: list[dict[str, tuple[int, ...]]] = [dict(held)]
     if dist.is_initialized():
-        parts = [[]] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-    holders: dict[str, list[int]] = {}
-    for rank, keys in enumerate(parts):
-        for key in keys:
-            holders.setdefault(key, []).append(rank)
-    return {key: tuple(ranks) for key, ranks in holders.items()}
+        parts = [{}] * dist.get_world_size()
+        dist.all_gather_object(parts, dict(held))
+    holders: dict[str, set[tuple[int, ...]]] = {}
+    for part in parts:
+        for key, replica_set in part.items():
+            holders.setdefault(key, set()).add(tuple(replica_set))
+    return {key: tuple(sorted(sets)) for key, sets in holders.items()}

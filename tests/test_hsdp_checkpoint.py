@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from dist_utils import run_ranks
 from test_checkpointer import check_round_trip
-from test_fsdp2_checkpoint import no_gathering
+from test_fsdp2_checkpoint import no_gathering, snapshot_and_recover
 from trainee import Trainee, every_step_config, load_fresh, train_and_checkpoint
 
 from moc_lightning.models import ExpertParallelTopology
@@ -20,12 +21,15 @@ pytestmark = pytest.mark.xdist_group("hsdp_checkpoint")  # one worker writes the
 
 WORLD, SHARD = 4, 2
 """Two replica groups of a shard group of 2: ranks r and r + 2 hold the same pieces."""
+LOST = 1
+"""The rank whose slots are lost before the in-memory recovery; rank 3 holds the same pieces."""
 
 
 def _write_and_reload(rank: int, world_size: int, root: str) -> dict:
     """:func:`train_and_checkpoint` under HSDP (ep=1) with nothing gathered while checkpointing; fresh models restored
     from it on the same ranks, under HSDP and under FSDP2 over all 4 ranks (shard groups of 4, not 2: DCP reshards);
-    then a second model's K=1 persist of its step 3, to storage of its own."""
+    then a second model's K=1 persist of its step 3, to storage of its own; then snapshots and a recovery with rank
+    1's slots lost (:func:`snapshot_and_recover`)."""
     url = Path(root, "ckpt").as_uri()
     written = train_and_checkpoint(rank, world_size, url, 1, fsdp2=True, shard_size=SHARD, guard=no_gathering)
     reloaded = load_fresh(rank, world_size, url, 1, fsdp2=True, shard_size=SHARD)
@@ -37,7 +41,8 @@ def _write_and_reload(rank: int, world_size: int, root: str) -> dict:
         k1.record_tokens(trainee.model.moe_layers())
     with no_gathering():
         report = k1.checkpoint(3)
-    return written | {
+    recovered = snapshot_and_recover(rank, world_size, str(Path(root, "two_level")), LOST, SHARD)
+    return written | {"recovered": recovered} | {
         "reloaded": reloaded, "as_fsdp2": as_fsdp2, "captured_3": trainee.snapshot(), "k1_report": report, "k1_eq6": k1.size_model().c_pec(1)
     }
 
@@ -104,3 +109,26 @@ def test_an_hsdp_checkpoint_loads_in_one_ddp_process(written_by_hsdp: tuple[Path
     loaded = load_fresh(0, 1, (root / "ckpt").as_uri())
     check_round_trip(written[0] | {"captured": written[0]["captured_full"]} | loaded)
     assert {parse_unit(k).key for k in loaded["loaded"]} == {parse_unit(k).key for k in written[0]["captured_full"][4]}
+
+
+@pytest.mark.slow
+def test_hsdp_replicas_stand_in_for_a_lost_slot_in_memory(written_by_hsdp: tuple[Path, list[dict]]) -> None:
+    """Every rank snapshots its own pieces (a slot holds half of its units' bytes: the shard group is 2). Rank 1's
+    slots are lost, but rank 3 holds the same pieces: every unit of step 2 still comes from memory, rank 1's pieces
+    sent by rank 3, bitwise; only the experts never snapshotted are lost."""
+    _, written = written_by_hsdp
+    for rank, wrote in enumerate(written):
+        recovered = wrote["recovered"]
+        report = recovered["report"]
+        assert report.resume_step == 2
+        from_step_2 = {k: s for k, s in report.sources.items() if s["step"] == 2}
+        expected = {"level": "memory_peer", "rank": LOST + SHARD} if rank == LOST else {"level": "memory_local"}
+        for key, source in from_step_2.items():
+            assert {k: source[k] for k in expected} == expected, (rank, key, source)
+        assert sum(k.startswith("expert/") for k in from_step_2) == 2 * 2  # K=2 in each of TINY's two MoE layers
+        for key, tensor in recovered["loaded"].items():
+            if parse_unit(key).key in from_step_2:
+                assert torch.equal(tensor, recovered["captured"][key]), key
+        assert recovered["slot_bytes"] == pytest.approx(recovered["whole_bytes"] / SHARD, rel=0.01)
+    print(f"hsdp slot bytes per rank {[w['recovered']['slot_bytes'] for w in written]}; "
+          f"its units whole {written[0]['recovered']['whole_bytes']}")
