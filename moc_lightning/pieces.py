@@ -8,12 +8,11 @@ that piece. Under ``hsdp`` the mesh has ``Replicate`` dimensions besides: a piec
 DTensors, so that DCP records each piece's offsets in the whole tensor and a load under any other world size or
 mode reshards (:func:`as_dtensors` describes a snapshot slot's local pieces so again). Only plain tensors beside
 them (Adam's scalar ``step``, kept alike by every holder) are replicated over all holders; the unit's first holder
-writes them. A unit comes back from memory only when every holder's piece survived (:mod:`moc_lightning.recovery`).
-Nothing is all-gathered.
+writes them. A unit comes back from memory only when each of its pieces survived on one of its holders
+(:mod:`moc_lightning.recovery`). Nothing is all-gathered.
 
 Tensor parallelism (a DTensor sharded along another dim, or partial) is refused.
 """
-
 
 from __future__ import annotations
 

@@ -67,8 +67,8 @@ class MoCSavePlanner(DefaultSavePlanner):
     another rank. A 0-dim tensor is written whole by the rank whose range for it is ``(0, 1)``. A non-tensor
     value is written by this rank if ``writes`` lists it (a rank's own state, under a key only it uses), else
     by the coordinator. A DTensor listed in ``writes`` is written as DCP writes it, this rank's local piece at its
-    offsets, or only the rows ``writes`` gives of that piece (HSDP: its replicas split it). ``writes=None`` keeps DCP's own behaviour (every rank proposes
-    its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
+    offsets, or only the rows ``writes`` gives of that piece (HSDP: its replicas split it). ``writes=None`` keeps
+    DCP's own behaviour (every rank proposes its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
     """
 
     def __init__(self, writes: Mapping[str, RowRange] | None) -> None:

@@ -52,12 +52,14 @@ class Source:
     level: Level
     step: int
     rank: int | None = None
-    """Rank whose slot holds it (memory); ``None`` for a unit in pieces, which every holder takes from its own."""
+    """Rank whose slot holds it (memory); ``None`` for a unit in pieces, which every holder takes from its own slot
+    (or from a replica's: :func:`piece_donors`)."""
     slot: int | None = None
     checkpoint: str | None = None
     """Committed checkpoint holding it (storage)."""
     pieces: bool = False
-    """In memory in pieces: every holder restores its piece from its own slot of ``step``."""
+    """In memory in pieces: every holder restores its piece from its own slot of ``step``, or, having lost it, from
+    a replica's (:func:`piece_donors`)."""
 
     def describe(self, my_rank: int) -> str:
         """``memory_local`` / ``memory_peer`` / ``storage`` / ``none`` from ``my_rank``'s point of view."""

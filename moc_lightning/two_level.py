@@ -222,7 +222,7 @@ class TwoLevelCheckpointer:
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
         parts = pec.partial_parts(units)
-        if pec.piece_holders is not None:  # FSDP2: every holder snapshots its own pieces (pec_scope is both)
+        if pec.piece_holders is not None:  # FSDP2/HSDP: every holder snapshots its own pieces (pec_scope is both)
             owners = None
             mine = [u for u in units if u in pec.layout.slots]
             my_parts: tuple[str, ...] = ()
@@ -490,7 +490,7 @@ class TwoLevelCheckpointer:
         restored = [key for key, src in plan.sources.items() if src.level != "none"]
         pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
         stale = _stale_shared_state(pec.layout, restored, plan)
-        self._restore_from_memory(plan, by_slot, in_memory, stale, donors)
+        self._restore_from_memory(plan, by_slot, in_memory, donors, stale)
         self.faults.at("recovery", plan.resume_step)
         pec.load_from_storage(stored, stale)
         steps = {key: src.step for key, src in plan.sources.items()}
@@ -551,7 +551,8 @@ class TwoLevelCheckpointer:
         given: dict[int, dict[str, SlotEntry]] = {}
         for key, source in plan.sources.items():
             unit = split_part_key(key)[0]
-            if source.level == "memory" and source.pieces and self.rank not in donors.get(unit, {}):
+            held = parse_unit(unit) in self.pec.layout.slots
+            if source.level == "memory" and source.pieces and held and self.rank not in donors.get(unit, {}):
                 meta = _slot_of_step(by_slot, source.step)
                 entries = {k: e for k, e in meta.entries.items() if part_key_of(k) == key}
                 own_pieces.update(entries)
@@ -574,11 +575,12 @@ class TwoLevelCheckpointer:
         plan: RecoveryPlan,
         by_slot: Mapping[int, SlotMeta],
         specs: Mapping[str, TensorSpec],
+        donors: Mapping[str, Mapping[int, int]],
         skip: Collection[str] = (),
-        donors: Mapping[str, Mapping[int, int]] | None = None,
     ) -> None:
         """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in. A unit in
-        pieces: every holder copies its own pieces in from its own slot, nothing is sent.
+        pieces: every holder copies its own pieces in from its own slot; a holder that lost it receives it from a
+        replica (``donors``: :meth:`_restore_piece`).
 
         One broadcast per unit and slot: both parts of a unit when they come from the same slot (always under
         ``both``), each part apart when they do not. ``specs`` (from :meth:`_memory_specs`) names each part's
@@ -597,7 +599,7 @@ class TwoLevelCheckpointer:
             unit = parse_unit(unit_key)
             if source.pieces:
                 if unit in layout.slots:
-                    self._restore_piece(unit_key, keys, by_slot, source.step, specs, skip, (donors or {}).get(unit_key, {}))
+                    self._restore_piece(unit_key, keys, by_slot, source.step, specs, skip, donors.get(unit_key, {}))
                 continue
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self.rank:

@@ -29,6 +29,9 @@ MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "fsdp2"])
 """The drills the issue names run under DDP, ZeRO-2 (each unit then snapshotted and written whole by the rank keeping
 its optimizer state; the capture holds each rank's own share of the optimizer state) and FSDP2 (every rank snapshots
 and writes its own pieces of every unit; the capture holds them)."""
+CRASH_MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "fsdp2", "hsdp"])
+"""The crash drill runs under HSDP too: shard groups of 2 ranks, one per simulated node, each node a replica of the
+other (every rank snapshots its pieces; a persist splits each piece over its 2 replicas)."""
 WHOLE_UNIT_MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
 """Modes where a snapshot holds units whole, so a lost node leaves the other node's units in memory (under FSDP2 every
 unit has a piece on every node: :func:`test_node_loss_under_fsdp2_takes_every_unit_from_storage`)."""
@@ -108,7 +111,7 @@ def _steps(report: dict) -> dict[str, int]:
     return {unit: source["step"] for unit, source in report["sources"].items()}
 
 
-@MODES
+@CRASH_MODES
 def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path, data_parallel: str) -> None:
     reports = run_drill(tmp_path, "rank=1,step=23,phase=train", data_parallel=data_parallel)
     for rank, report in enumerate(reports):
@@ -211,3 +214,19 @@ def test_crash_in_the_middle_of_a_persist_ignores_the_half_written_checkpoint(tm
     check_bitwise(tmp_path, reports)
     manifest = Manifest.from_json((tmp_path / "ckpt" / "manifest.json").read_bytes())
     assert [r.step for r in manifest.records] == [5, 25, 30], "the restarted run persisted again at 25 (30: its end)"
+
+
+def test_node_loss_under_hsdp_takes_every_piece_from_the_other_nodes_replicas(tmp_path: Path) -> None:
+    """HSDP with a shard group per node: the surviving node holds a replica of every piece, so losing a node loses
+    nothing in memory. Every unit comes from the snapshot of step 20, the lost node's ranks receiving their pieces
+    from their replicas on the surviving node (memory_peer from rank r - 2; the dense units, which every rank holds,
+    show it); bitwise, with PLT by hand."""
+    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel="hsdp")
+    for rank, report in enumerate(reports):
+        assert report["resume_step"] == 20
+        assert {s["level"] for s in report["sources"].values()} <= {"memory_local", "memory_peer"}
+        dense = {(s["level"], s["rank"]) for u, s in report["sources"].items() if u.startswith("dense/")}
+        assert dense == ({("memory_local", None)} if rank < 2 else {("memory_peer", rank - 2)})
+        assert _steps(report) == _steps(reports[0])
+    check_bitwise(tmp_path, reports)
+    assert reports[2]["plt"] == pytest.approx(plt_by_hand(tmp_path, 20, _steps(reports[2])), rel=1e-9)
