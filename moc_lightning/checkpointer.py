@@ -628,7 +628,7 @@ class PECCheckpointer:
         rank = self.topology.rank
         for key, tensor in state.items():
             if part_of(key) == "optimizer" and self.state_owners[parse_unit(key).key] == rank:
-                writes[key] = _whole_rows(tensor)
+                writes[key] = whole_rows(tensor)
         return writes
 
     @property
