@@ -596,8 +596,8 @@ class MoCCheckpoint(Checkpoint):
             logger.log_metrics(metrics, step=trainer.global_step)
         if self.engine.rank == 0:
             print(f"[moc_lightning] replayed {report.replay_iterations} iterations of the window from step "
-                  f"{report.window_start} ({report.source}) in {report.replay_seconds:.2f}s; every unit is at its fault-free state of "
-                  f"step {report.resume_step} (PLT 0)")
+                  f"{report.window_start} ({report.source}) in {report.replay_seconds:.2f}s; every unit is at its "
+                  f"fault-free state of step {report.resume_step} (PLT 0)")
 
 
 HSDP_NOT_SUPPORTED = (
@@ -643,8 +643,9 @@ def check_window_memory(config: CheckpointConfig, memory: WindowMemory, node_roo
             f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the replay windows need about "
             f"{needed / 1e6:.1f} MB ({memory.shm_copies} copies x {local_ranks} ranks x "
             f"{memory.window_bytes / 1e6:.1f} MB a window at checkpoint.replay.window={memory.window}, up to "
-            f"{max(memory.per_iteration) / 1e6:.1f} MB per iteration); use a larger tmpfs, a smaller checkpoint.replay.window (a window holds every unit's full "
-            "state once plus the weights of the units still frozen), or checkpoint.mode=pec"
+            f"{max(memory.per_iteration) / 1e6:.1f} MB per iteration); use a larger tmpfs, a smaller "
+            "checkpoint.replay.window (a window holds every unit's full state once plus the weights of the units "
+            "still frozen), or checkpoint.mode=pec"
         )
 
 

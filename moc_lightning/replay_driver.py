@@ -1,5 +1,6 @@
 """Replay mode inside Lightning (``checkpoint.mode=replay``): capture a window every iteration of a fit, keep
-the newest complete ones in shared memory and in storage, and on resume replay it through the module's own ``training_step``.
+the newest complete ones in shared memory and in storage, and on resume replay one through the module's own
+``training_step``.
 
 What a window holds besides :class:`~moc_lightning.replay.WindowRecord`'s tensors, so that a new process can
 repeat its iterations exactly: each iteration's batch (the tensors Lightning handed to ``training_step``, kept

@@ -77,7 +77,8 @@ class Candidate:
     """``memory`` or ``storage``."""
     log: WindowLog
     data: bytes
-    """Its serialized bytes, written to storage as they are when the storage lacks it."""
+    """A copy in memory: its serialized bytes, written to storage as they are when the storage lacks it (empty for
+    a copy in storage, which is never re-stored: no second window-sized buffer per stored candidate)."""
 
 
 def agree(ends: Sequence[Sequence[int]]) -> int | None:
@@ -151,7 +152,7 @@ class WindowStore:
                       f"unreadable: {type(err).__name__}: {err}")
                 continue
             if lineage.admits(stamp, log.end_step):
-                found.append(Candidate(log.end_step, source, log, data))
+                found.append(Candidate(log.end_step, source, log, data if source == "memory" else b""))
         return found
 
     def _read_memory(self) -> bytes | None:

@@ -1,9 +1,10 @@
 """``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 and 4 ranks (gloo, CPU), with and without
 expert parallelism: after a crash at a random step (and, in some cases, a rank's lost shared memory or storage
-write), a new Trainer on every rank agrees on the newest window that all ranks have, replays it together through the DDP-wrapped ``training_step``, and every rank lands bitwise on the
-uninterrupted run's state (every parameter, buffer and optimizer tensor), then trains on bitwise identically to
-``max_steps``. The resume runs in the crashed fit's processes (a spawn costs tens of seconds on the test machine);
-nothing of the crashed Trainer, module or optimizer carries over."""
+write), a new Trainer on every rank agrees on the newest window that all ranks have, replays it together through
+the DDP-wrapped ``training_step``, and every rank lands bitwise on the uninterrupted run's state (every parameter,
+buffer and optimizer tensor), then trains on bitwise identically to ``max_steps``. The resume runs in the crashed
+fit's processes (a spawn costs tens of seconds on the test machine); nothing of the crashed Trainer, module or
+optimizer carries over."""
 
 from __future__ import annotations
 
