@@ -106,7 +106,7 @@ PAPER_K = (4, 1)
 """The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
 GB = 1e9
 BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
-"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (MoC does not yet checkpoint ``hsdp``)."""
+"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (``hsdp`` is not benched yet)."""
 SETUP = "every method trains the same model from one seed on the same batches"
 K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
 RECOVER_MEASURED = (

@@ -64,7 +64,7 @@ from moc_lightning.layout import Layout, build_layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
-from moc_lightning.pieces import SHARDED_MODES, check_supported
+from moc_lightning.pieces import check_supported
 from moc_lightning.replay_driver import (
     ReplayReport, WindowCapture, WindowLog, check_strategy, check_trainer, replay_window,
 )
@@ -598,13 +598,6 @@ class MoCCheckpoint(Checkpoint):
             print(f"[moc_lightning] replayed {report.replay_iterations} iterations of the window from step "
                   f"{report.window_start} ({report.source}) in {report.replay_seconds:.2f}s; every unit is at its "
                   f"fault-free state of step {report.resume_step} (PLT 0)")
-
-
-HSDP_NOT_SUPPORTED = (
-    f"MoCCheckpoint supports {SHARDED_MODES}; MoC support of HSDP (trainer.data_parallel=hsdp: pieces replicated "
-    "across shard groups) is not implemented yet: train it with checkpoint.enabled=false (no MoCCheckpoint)"
-)
-"""Why HSDP is refused, for the recipe's config (the callback names the parameter: :func:`pieces.check_supported`)."""
 
 
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.distributed import collective_device
@@ -43,8 +44,9 @@ from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, part_of, split_part_key
-from moc_lightning.pieces import as_dtensors, check_supported, gather_holders, piece
-from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range
+from moc_lightning.pieces import as_dtensors, check_supported, gather_holders, unit_replicas
+from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range, whole_rows
+from moc_lightning.replica_writes import replica_writes
 from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
 from moc_lightning.sharding import Ownership, ShardingUnit, Topology, plan_ownership
@@ -178,9 +180,12 @@ class PECCheckpointer:
         unit is snapshotted whole there; a persist from the live tensors writes its optimizer state there and splits
         its replicated weights over their holders (:meth:`_zero_writes`). ``None`` when every holder keeps the state
         (DDP)."""
-        self.piece_holders = gather_holders(u.key for u in layout.units) if layout.sharded else None
-        """Under FSDP2 (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the ranks holding a piece of it,
-        for every unit of the model; each of them snapshots and writes its own pieces. ``None`` otherwise."""
+        self.piece_holders = gather_holders(
+            {u.key: unit_replicas(layout.tensors([u]).values(), topology.rank) for u in layout.units}
+        ) if layout.sharded else None
+        """Under FSDP2/HSDP (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the holders of each of its
+        pieces (a piece's replicas under HSDP), for every unit of the model; each holder snapshots its own pieces, and
+        a persist writes each piece once. ``None`` otherwise."""
         if self.piece_holders is not None and cfg.pec_scope != "both":
             raise ValueError(
                 f"checkpoint.pec_scope={cfg.pec_scope!r} is not supported under FSDP2 (DTensor parameters) yet; "
@@ -377,7 +382,7 @@ class PECCheckpointer:
                 writes = self._piece_writes(state)
             else:
                 state = dict(from_slot)
-                writes = None if self.cfg.sharding == "dcp_default" else {k: _whole_rows(t) for k, t in state.items()}
+                writes = None if self.cfg.sharding == "dcp_default" else {k: whole_rows(t) for k, t in state.items()}
             if trainer_state is not None:  # this rank's own: RNG and data position differ per rank
                 rank_key = RANK_STATE.format(rank=self.topology.rank)
                 state[rank_key] = trainer_state
@@ -648,13 +653,13 @@ class PECCheckpointer:
         return writes
 
     def _piece_writes(self, state: Mapping[str, torch.Tensor]) -> dict[str, RowRange]:
-        """Under FSDP2: every DTensor's local piece, which no other rank holds (DCP records its offsets); a plain
-        tensor beside them (Adam's scalar ``step``, alike on every holder) by the unit's first holder."""
-        writes: dict[str, RowRange] = {}
+        """Under FSDP2/HSDP: every DTensor's local piece, whole when no other rank holds it, else this rank's share of
+        it among its replicas (:mod:`moc_lightning.replica_writes`; DCP records the offsets); a plain tensor beside
+        them (Adam's scalar ``step``, alike on every holder) by the unit's first holder."""
+        writes = replica_writes(state, self.topology.rank, self.cfg.sharding)
         for key, tensor in state.items():
-            local = piece(tensor)
-            if local is not tensor or self.piece_holders[parse_unit(key).key][0] == self.topology.rank:
-                writes[key] = _whole_rows(local)
+            if not isinstance(tensor, DTensor) and self.piece_holders[parse_unit(key).key][0][0] == self.topology.rank:
+                writes[key] = whole_rows(tensor)
         return writes
 
     def _sharding_unit(self, unit: Unit, part: str | None = None) -> ShardingUnit:
@@ -1025,10 +1030,6 @@ class _Failure:
             rank, (cause, _) = min(dcp_failure.failures.items())
         cause = find_cause(cause, OSError) or cause
         return cls(rank, f"{where}: {type(cause).__name__}: {cause}"[:500], err)
-
-
-def _whole_rows(tensor: torch.Tensor) -> RowRange:
-    return (0, 1) if tensor.dim() == 0 else (0, tensor.shape[0])
 
 
 def _unit_rows(layout: Layout, unit: Unit) -> int:

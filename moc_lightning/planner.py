@@ -10,6 +10,7 @@ DCP's ``DefaultLoadPlanner`` reads it back under any world size, which is what r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,11 @@ def tensor_row_range(unit_start: int, unit_stop: int, unit_rows: int, tensor_row
     proportionally keeps each tensor's pieces disjoint and covering, since adjacent shards share bounds.
     """
     return unit_start * tensor_rows // unit_rows, unit_stop * tensor_rows // unit_rows
+
+
+def whole_rows(tensor: torch.Tensor) -> RowRange:
+    """Every row of ``tensor`` (a scalar's one)."""
+    return (0, 1) if tensor.dim() == 0 else (0, tensor.shape[0])
 
 
 def _row_write_item(key: str, tensor: torch.Tensor, rows: RowRange) -> WriteItem:
@@ -60,14 +66,16 @@ class MoCSavePlanner(DefaultSavePlanner):
     ``writes`` maps a tensor's key to the rows this rank writes; a key absent from it is written by
     another rank. A 0-dim tensor is written whole by the rank whose range for it is ``(0, 1)``. A non-tensor
     value is written by this rank if ``writes`` lists it (a rank's own state, under a key only it uses), else
-    by the coordinator. A DTensor listed in ``writes`` is written as DCP writes it: this rank's local piece at its
-    offsets (FSDP2: no other rank holds it). ``writes=None`` keeps DCP's own behaviour (every rank proposes
-    its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
+    by the coordinator. A DTensor listed in ``writes`` is written as DCP writes it, this rank's local piece at its
+    offsets, or only the rows ``writes`` gives of that piece (HSDP: its replicas split it). ``writes=None`` keeps
+    DCP's own behaviour (every rank proposes its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
     """
 
     def __init__(self, writes: Mapping[str, RowRange] | None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.writes = writes
+        self._piece_starts: dict[str, int] = {}
+        """Key of a DTensor written in part -> the row of the whole tensor where this rank's piece starts."""
 
     def create_local_plan(self) -> SavePlan:
         if self.writes is None:
@@ -83,7 +91,7 @@ class MoCSavePlanner(DefaultSavePlanner):
                 continue
             if isinstance(value, DTensor):
                 if piece(value).numel() > 0:
-                    items.extend(value.__create_write_items__(key, value))
+                    items.extend(self._piece_write_items(key, value, rows))
                 continue
             if value.dim() == 0:
                 if rows == (0, 1):
@@ -93,6 +101,25 @@ class MoCSavePlanner(DefaultSavePlanner):
                 items.append(_row_write_item(key, value, rows))
         self.plan = SavePlan(items)
         return self.plan
+
+    def _piece_write_items(self, key: str, value: DTensor, rows: RowRange) -> list[WriteItem]:
+        """DCP's write of this rank's piece of ``value``, narrowed to ``rows`` of the piece (none if empty)."""
+        items = value.__create_write_items__(key, value)
+        local = piece(value)
+        if local.dim() == 0 or rows == whole_rows(local):
+            return items
+        if rows[1] <= rows[0]:
+            return []
+        (item,) = items  # one piece per rank: sharded along dim 0 only (pieces.check_supported)
+        chunk = item.tensor_data.chunk
+        self._piece_starts[key] = chunk.offsets[0]
+        offsets = torch.Size([chunk.offsets[0] + rows[0], *chunk.offsets[1:]])
+        sizes = torch.Size([rows[1] - rows[0], *chunk.sizes[1:]])
+        return [dataclasses.replace(
+            item,
+            index=MetadataIndex(key, offsets),
+            tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes)),
+        )]
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         """Ownership made the writes disjoint already; DCP's dedup would only re-check whole-tensor keys."""
@@ -112,7 +139,8 @@ class MoCSavePlanner(DefaultSavePlanner):
         chunk = write_item.tensor_data.chunk
         if chunk.sizes[0] == value.shape[0]:
             return value
-        return value.narrow(0, chunk.offsets[0], chunk.sizes[0])
+        start = chunk.offsets[0] - self._piece_starts.get(write_item.index.fqn, 0)
+        return value.narrow(0, start, chunk.sizes[0])
 
 
 def owned_bytes(plan: SavePlan) -> int:

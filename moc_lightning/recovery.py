@@ -13,9 +13,11 @@ than ``both`` a slot or checkpoint holds one part of the experts it does not hol
 expert comes from the newest surviving copy of that part. Under ``both`` both parts of a unit always come
 from the same source.
 
-A unit kept in pieces (FSDP2, :mod:`moc_lightning.pieces`) is in memory at a step only when every rank holding a
-piece of it has a slot of that step with it: each of them restores its own piece. Otherwise it comes from storage
-whole (or not at all), never half from memory.
+A unit kept in pieces (FSDP2/HSDP, :mod:`moc_lightning.pieces`) is in memory at a step only when every piece of it
+survived in some slot of that step: under FSDP2 each piece has one holder, so every holder's slot; under HSDP a
+piece's replicas stand in for each other, so one replica's slot per piece. Each holder restores its own piece from
+its own slot, or, when its slot is gone, receives it from the lowest replica that has it (:func:`piece_donors`).
+Otherwise the unit comes from storage whole (or not at all), never half from memory.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ class Source:
     level: Level
     step: int
     rank: int | None = None
-    """Rank whose slot holds it (memory); ``None`` for a unit in pieces, which every holder takes from its own."""
+    """Rank whose slot holds it (memory); ``None`` for a unit in pieces, which every holder takes from its own slot
+    (or from a replica's: :func:`piece_donors`)."""
     slot: int | None = None
     checkpoint: str | None = None
     """Committed checkpoint holding it (storage)."""
     pieces: bool = False
-    """In memory in pieces: every holder restores its piece from its own slot of ``step``."""
+    """In memory in pieces: every holder restores its piece from its own slot of ``step``, or, having lost it, from
+    a replica's (:func:`piece_donors`)."""
 
     def describe(self, my_rank: int) -> str:
         """``memory_local`` / ``memory_peer`` / ``storage`` / ``none`` from ``my_rank``'s point of view."""
@@ -83,11 +87,11 @@ def plan_recovery(
     experts: Sequence[str],
     slots: Iterable[SlotInventory],
     manifest: Manifest,
-    holders: Mapping[str, Collection[int]] | None = None,
+    holders: Mapping[str, Collection[Collection[int]]] | None = None,
 ) -> RecoveryPlan | None:
     """The resume step and a source for every part of every unit; ``None`` when no step has every dense unit.
 
-    ``holders``: for units kept in pieces, the ranks holding a piece of each (see the module docstring).
+    ``holders``: for units kept in pieces, each piece's holders (its replicas; see the module docstring).
     """
     slots = sorted(slots, key=lambda s: (s.step, s.rank, s.slot))
     memory = _whole_in_memory(slots, holders or {})
@@ -102,10 +106,10 @@ def plan_recovery(
 
 
 def _whole_in_memory(
-    slots: list[SlotInventory], holders: Mapping[str, Collection[int]]
+    slots: list[SlotInventory], holders: Mapping[str, Collection[Collection[int]]]
 ) -> dict[str, list[Source]]:
     """Part key -> every version memory holds of that part, as its source: a slot holding the unit whole or that
-    part of it, or, for a unit in pieces, a step at which every holder's slot has its piece (one source for all)."""
+    part of it, or, for a unit in pieces, a step at which some slot holds every piece (one source for all)."""
     pieces: dict[tuple[str, int], set[int]] = {}
     versions: dict[str, list[Source]] = {}
     for slot in slots:  # sorted by step, then rank: the first version of a step is the lowest rank's
@@ -116,9 +120,22 @@ def _whole_in_memory(
             else:
                 versions.setdefault(key, []).append(Source("memory", slot.step, rank=slot.rank, slot=slot.slot))
     for (key, step), ranks in pieces.items():
-        if ranks >= set(holders[split_part_key(key)[0]]):
+        if all(ranks.intersection(replicas) for replicas in holders[split_part_key(key)[0]]):
             versions.setdefault(key, []).append(Source("memory", step, pieces=True))
     return versions
+
+
+def piece_donors(
+    unit: str, step: int, slots: Iterable[SlotInventory], holders: Collection[Collection[int]]
+) -> dict[int, int]:
+    """For a unit in memory in pieces at ``step`` (``holders``: each piece's replicas): each holder whose slot of that
+    step lacks the unit -> the lowest replica of its piece whose slot has it, which sends it the piece."""
+    having = {slot.rank for slot in slots if slot.step == step and unit in slot.units}
+    donors = {}
+    for replicas in holders:
+        donor = min(having.intersection(replicas))
+        donors.update({rank: donor for rank in replicas if rank not in having})
+    return donors
 
 
 def _dense_complete(step: int, dense: Sequence[str], memory: Mapping[str, list[Source]], manifest: Manifest) -> bool:

@@ -85,6 +85,11 @@ def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
     """What a replayed iteration must repeat exactly: Lightning's own optimization loop, one optimizer, schedulers
     stepped once per step (:func:`check_strategy` ran at ``setup``)."""
     problems = []
+    topology = getattr(module, "expert_topology", None)
+    if str(trainer.precision) == "bf16-mixed" and topology is not None and 1 < topology.ep < topology.world_size:
+        # measured: 4 ranks at ep=2 end a replay with expert tensors a few ulps off (2 ranks at ep=1 or 2 are exact)
+        problems.append(f"precision bf16-mixed with expert parallelism ep={topology.ep} replicated over "
+                        f"{topology.world_size // topology.ep} EP groups (not bitwise yet)")
     if trainer.accumulate_grad_batches != 1:
         problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
     if not module.automatic_optimization:

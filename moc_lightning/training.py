@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
-from moc_lightning.callback import HSDP_NOT_SUPPORTED, MoCCheckpoint
+from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
@@ -143,8 +143,6 @@ class TrainConfig(RecipeConfig):
             raise ValueError(f"model.num_experts={self.model.num_experts} must be divisible by the EP degree {ep}")
         if self.trainer.data_parallel == "hsdp":
             check_shard_size(self.trainer.world_size, self.trainer.shard_size, ep)
-        if self.trainer.data_parallel == "hsdp" and self.checkpoint.enabled:
-            raise ValueError(f"trainer.data_parallel=hsdp with checkpoint.enabled=true: {HSDP_NOT_SUPPORTED}")
         if self.checkpoint.enabled and self.checkpoint.mode == "replay":
             check_replay_supported(self.trainer.precision, self.trainer.data_parallel)
         self.checkpoint.validate_for(self.model.num_experts)

@@ -54,7 +54,7 @@ from moc_lightning.faults import FaultInjector
 from moc_lightning.lineage import Lineage
 from moc_lightning.manifest import Manifest
 from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, split_part_key
-from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, plan_recovery
+from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, piece_donors, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.layout import Layout, TensorSpec
 from moc_lightning.snapshot import NUM_SLOTS, SlotEntry, SlotMeta, SnapshotStore
@@ -222,7 +222,7 @@ class TwoLevelCheckpointer:
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
         parts = pec.partial_parts(units)
-        if pec.piece_holders is not None:  # FSDP2: every holder snapshots its own pieces (pec_scope is both)
+        if pec.piece_holders is not None:  # FSDP2/HSDP: every holder snapshots its own pieces (pec_scope is both)
             owners = None
             mine = [u for u in units if u in pec.layout.slots]
             my_parts: tuple[str, ...] = ()
@@ -481,11 +481,16 @@ class TwoLevelCheckpointer:
         engine_state, trainer_state, trainer_state_rank = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
         stored = {key: manifest.by_name(src.checkpoint) for key, src in plan.sources.items() if src.level == "storage"}
-        in_memory = self._memory_specs(plan, by_slot)
+        donors = {  # units in pieces that a holder lost: unit key -> {holder without it: the replica sending it}
+            unit: given
+            for unit, source in {split_part_key(k)[0]: s for k, s in plan.sources.items() if s.pieces}.items()
+            if (given := piece_donors(unit, source.step, inventory, pec.piece_holders[unit]))
+        }
+        in_memory = self._memory_specs(plan, by_slot, donors)
         restored = [key for key, src in plan.sources.items() if src.level != "none"]
         pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
         stale = _stale_shared_state(pec.layout, restored, plan)
-        self._restore_from_memory(plan, by_slot, in_memory, stale)
+        self._restore_from_memory(plan, by_slot, in_memory, donors, stale)
         self.faults.at("recovery", plan.resume_step)
         pec.load_from_storage(stored, stale)
         steps = {key: src.step for key, src in plan.sources.items()}
@@ -494,7 +499,7 @@ class TwoLevelCheckpointer:
         return RecoveryReport(
             resume_step=plan.resume_step,
             plt=load.plt,
-            sources=self._describe_sources(plan),
+            sources=self._describe_sources(plan, donors),
             recover_seconds=time.perf_counter() - start,
             k_changed=load.k_changed,
             trainer_state=trainer_state,
@@ -533,35 +538,49 @@ class TwoLevelCheckpointer:
               "data position and callback state, with RNG streams derived from this rank and the step")
         return engine, _decode_optional(shared), stand_in
 
-    def _memory_specs(self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta]) -> dict[str, TensorSpec]:
+    def _memory_specs(
+        self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta], donors: Mapping[str, Mapping[int, int]]
+    ) -> dict[str, TensorSpec]:
         """Key -> (shape, dtype) of every tensor of every memory-sourced unit, in its slot's order, as the slot
         owners describe them (collective: one exchange). A restore creates optimizer state from these, and
         sizes the broadcasts by them: a unit's peer copy may hold state that this rank's twin lacks. A unit in
-        pieces is described by this rank's own slot (its pieces, which no other rank needs)."""
+        pieces is described by this rank's own slot (its pieces, which no other rank needs), or, where this rank
+        lost it, by the slot of the replica that sends it (``donors``)."""
         mine: dict[str, SlotEntry] = {}
         own_pieces: dict[str, SlotEntry] = {}
+        given: dict[int, dict[str, SlotEntry]] = {}
         for key, source in plan.sources.items():
-            if source.level == "memory" and source.pieces:
+            unit = split_part_key(key)[0]
+            held = parse_unit(unit) in self.pec.layout.slots
+            if source.level == "memory" and source.pieces and held and self.rank not in donors.get(unit, {}):
                 meta = _slot_of_step(by_slot, source.step)
-                own_pieces.update({k: e for k, e in meta.entries.items() if part_key_of(k) == key})
+                entries = {k: e for k, e in meta.entries.items() if part_key_of(k) == key}
+                own_pieces.update(entries)
+                for receiver, donor in donors.get(unit, {}).items():
+                    if donor == self.rank:
+                        given.setdefault(receiver, {}).update(entries)
             elif source.level == "memory" and source.rank == self.rank:
                 meta = by_slot[source.slot]
                 mine.update({k: e for k, e in meta.entries.items() if part_key_of(k) == key})
-        parts = [mine]
+        parts = [(mine, given)]
         if dist.is_initialized():
             parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, mine)
-        return {k: (tuple(e.shape), e.torch_dtype) for part in [*parts, own_pieces] for k, e in part.items()}
+            dist.all_gather_object(parts, (mine, given))
+        received = [part_given.get(self.rank, {}) for _, part_given in parts]
+        described = [*(part for part, _ in parts), *received, own_pieces]
+        return {k: (tuple(e.shape), e.torch_dtype) for part in described for k, e in part.items()}
 
     def _restore_from_memory(
         self,
         plan: RecoveryPlan,
         by_slot: Mapping[int, SlotMeta],
         specs: Mapping[str, TensorSpec],
+        donors: Mapping[str, Mapping[int, int]],
         skip: Collection[str] = (),
     ) -> None:
         """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in. A unit in
-        pieces: every holder copies its own pieces in from its own slot, nothing is sent.
+        pieces: every holder copies its own pieces in from its own slot; a holder that lost it receives it from a
+        replica (``donors``: :meth:`_restore_piece`).
 
         One broadcast per unit and slot: both parts of a unit when they come from the same slot (always under
         ``both``), each part apart when they do not. ``specs`` (from :meth:`_memory_specs`) names each part's
@@ -580,8 +599,7 @@ class TwoLevelCheckpointer:
             unit = parse_unit(unit_key)
             if source.pieces:
                 if unit in layout.slots:
-                    own = [k for k in keys if k not in skip]
-                    layout.copy_in(self.store.read(_slot_of_step(by_slot, source.step), own))
+                    self._restore_piece(unit_key, keys, by_slot, source.step, specs, skip, donors.get(unit_key, {}))
                 continue
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self.rank:
@@ -604,11 +622,44 @@ class TwoLevelCheckpointer:
                             continue  # under ZeRO another rank keeps this unit's optimizer state
                         live[k].copy_(piece.view(dtype).view(shape))
 
-    def _describe_sources(self, plan: RecoveryPlan) -> dict[str, dict[str, Any]]:
+    def _restore_piece(
+        self,
+        unit_key: str,
+        keys: Sequence[str],
+        by_slot: Mapping[int, SlotMeta],
+        step: int,
+        specs: Mapping[str, TensorSpec],
+        skip: Collection[str],
+        donors: Mapping[int, int],
+    ) -> None:
+        """This rank's piece of a unit in pieces, from its own slot of ``step``, which it also sends to each replica
+        that lost it (``donors``: receiver -> sender); or, having lost it, received from its replica. Every rank
+        walks the units in the same order, so each send meets its receive."""
+        if self.rank in donors:
+            sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=collective_device())
+            dist.recv(flat, src=donors[self.rank])
+            tensors = {k: t.cpu().view(specs[k][1]).view(specs[k][0]) for k, t in zip(keys, flat.split(sizes))}
+        else:
+            tensors = self.store.read(_slot_of_step(by_slot, step), keys)
+            receivers = sorted(r for r, donor in donors.items() if donor == self.rank)
+            if receivers:
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]).to(collective_device())
+                for receiver in receivers:
+                    dist.send(flat, dst=receiver)
+        self.pec.layout.copy_in({k: t for k, t in tensors.items() if k not in skip})
+
+    def _describe_sources(
+        self, plan: RecoveryPlan, donors: Mapping[str, Mapping[int, int]]
+    ) -> dict[str, dict[str, Any]]:
         """The report's ``sources`` (see :attr:`RecoveryReport.sources`): per unit under ``both``, with its
         experts' parts under the other scopes, and with the parts of any unit whose parts came from different
-        sources (a lineage written under another scope)."""
-        def describe(source: Source) -> dict[str, Any]:
+        sources (a lineage written under another scope). A piece this rank received from a replica is
+        ``memory_peer`` from that replica's rank."""
+        def describe(source: Source, unit: str) -> dict[str, Any]:
+            sender = donors.get(unit, {}).get(self.rank)
+            if source.pieces and sender is not None:
+                return {"level": "memory_peer", "step": source.step, "rank": sender}
             return {"level": source.describe(self.rank), "step": source.step, "rank": source.rank}
 
         by_part = always_saved(self.pec.cfg.pec_scope) is not None
@@ -616,10 +667,12 @@ class TwoLevelCheckpointer:
         for unit in dict.fromkeys(split_part_key(key)[0] for key in plan.sources):
             parts = {part: plan.sources[part_key(unit, part)] for part in PARTS}
             if len(set(parts.values())) == 1 and not (by_part and unit.startswith("expert/")):
-                described[unit] = describe(parts["weights"])
+                described[unit] = describe(parts["weights"], unit)
                 continue
             stalest = min(parts.values(), key=lambda s: s.step)
-            described[unit] = {**describe(stalest), "parts": {part: describe(s) for part, s in parts.items()}}
+            described[unit] = {
+                **describe(stalest, unit), "parts": {part: describe(s, unit) for part, s in parts.items()}
+            }
         return described
 
     def _drop_slots_after(self, step: int, metas: Sequence[SlotMeta]) -> None:

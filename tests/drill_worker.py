@@ -100,13 +100,14 @@ def main() -> None:
         dynamic_k=DynamicKConfig(enabled=False),
     )
     moc = MoCCheckpoint(config)
-    module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel)
+    shard_size = 2 if args.data_parallel == "hsdp" else None  # a node's ranks; the nodes replicate each other
+    module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel, hsdp_shard_size=shard_size)
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=4,
         strategy=(
-            ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1) if args.data_parallel == "fsdp2"
+            ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1) if args.data_parallel in ("fsdp2", "hsdp")
             else DDPStrategy(process_group_backend="gloo")
         ),
         max_steps=args.max_steps,

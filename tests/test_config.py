@@ -121,9 +121,8 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
         (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),
         (["trainer.data_parallel=zero3"], "trainer.data_parallel='zero3' is not supported; choose one of: ddp, zero2, fsdp2, hsdp"),
-        (["trainer.data_parallel=hsdp"], "trainer.data_parallel=hsdp with checkpoint.enabled=true: MoCCheckpoint supports trainer.data_parallel=ddp, zero2 and fsdp2; MoC support of HSDP"),
-        (["trainer.data_parallel=hsdp", "checkpoint.enabled=false", "trainer.ep=2", "trainer.hsdp_shard_size=1"], "the EP degree 2 (trainer.ep; null means all 2 ranks) must divide trainer.hsdp_shard_size=1"),
-        (["trainer.data_parallel=hsdp", "checkpoint.enabled=false", "trainer.hsdp_shard_size=3"], "trainer.hsdp_shard_size=3 must be >= 1 and divide the number of processes 2"),
+        (["trainer.data_parallel=hsdp", "trainer.ep=2", "trainer.hsdp_shard_size=1"], "the EP degree 2 (trainer.ep; null means all 2 ranks) must divide trainer.hsdp_shard_size=1"),
+        (["trainer.data_parallel=hsdp", "trainer.hsdp_shard_size=3"], "trainer.hsdp_shard_size=3 must be >= 1 and divide the number of processes 2"),
         (["trainer.hsdp_shard_size=1"], "trainer.hsdp_shard_size=1 is for trainer.data_parallel=hsdp, not 'ddp'"),
         (["trainer.data_parallel=fsdp2", "trainer.precision=bf16-true"], "trainer.precision='bf16-true' is not supported with trainer.data_parallel=fsdp2|hsdp"),
         (["trainer.precision=bf16-true"], "trainer.precision='bf16-true' with trainer.data_parallel=ddp would keep bf16/fp16 weights"),
@@ -150,10 +149,7 @@ def test_the_recipe_trains_its_module_with_the_configured_data_parallel(
 ) -> None:
     fitted: list[L.LightningModule] = []
     monkeypatch.setattr(training, "fit", lambda cfg, module, data, output_dir: fitted.append(module))
-    overrides = [f"trainer.data_parallel={data_parallel}"]
-    if data_parallel == "hsdp":  # MoC refuses hsdp; fsdp2 trains with MoCCheckpoint
-        overrides.append("checkpoint.enabled=false")
-    cfg = to_train_config(_compose(overrides))
+    cfg = to_train_config(_compose([f"trainer.data_parallel={data_parallel}"]))
     training.run(cfg, tmp_path)
     assert [module.data_parallel for module in fitted] == [data_parallel]
     strategy = training.build_trainer(cfg, tmp_path).strategy

@@ -30,6 +30,9 @@ MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "fsdp2"])
 """The drills the issue names run under DDP, ZeRO-2 (each unit then snapshotted and written whole by the rank keeping
 its optimizer state; the capture holds each rank's own share of the optimizer state) and FSDP2 (every rank snapshots
 and writes its own pieces of every unit; the capture holds them)."""
+CRASH_MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2", "fsdp2", "hsdp"])
+"""The crash drill runs under HSDP too: shard groups of 2 ranks, one per simulated node, each node a replica of the
+other (every rank snapshots its pieces; a persist splits each piece over its 2 replicas)."""
 WHOLE_UNIT_MODES = pytest.mark.parametrize("data_parallel", ["ddp", "zero2"])
 """Modes where a snapshot holds units whole, so a lost node leaves the other node's units in memory (under FSDP2 every
 unit has a piece on every node: :func:`test_node_loss_under_fsdp2_takes_every_unit_from_storage`)."""
@@ -109,7 +112,7 @@ def _steps(report: dict) -> dict[str, int]:
     return {unit: source["step"] for unit, source in report["sources"].items()}
 
 
-@MODES
+@CRASH_MODES
 def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path, data_parallel: str) -> None:
     reports = run_drill(tmp_path, "rank=1,step=23,phase=train", data_parallel=data_parallel)
     for rank, report in enumerate(reports):
@@ -274,3 +277,19 @@ def test_replay_drill_resumes_every_rank_bitwise_at_the_window_end_with_no_lost_
         assert restored["step"] == 20 and sorted(restored["tensors"]) == sorted(captured)
         differ = [k for k, t in captured.items() if not torch.equal(restored["tensors"][k], t)]
         assert differ == [], f"rank {rank} (faulty: {faulty}) after the replay: {differ[:5]}"
+
+
+def test_node_loss_under_hsdp_takes_every_piece_from_the_other_nodes_replicas(tmp_path: Path) -> None:
+    """HSDP with a shard group per node: the surviving node holds a replica of every piece, so losing a node loses
+    nothing in memory. Every unit comes from the snapshot of step 20, the lost node's ranks receiving their pieces
+    from their replicas on the surviving node (memory_peer from rank r - 2; the dense units, which every rank holds,
+    show it); bitwise, with PLT by hand."""
+    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel="hsdp")
+    for rank, report in enumerate(reports):
+        assert report["resume_step"] == 20
+        assert {s["level"] for s in report["sources"].values()} <= {"memory_local", "memory_peer"}
+        dense = {(s["level"], s["rank"]) for u, s in report["sources"].items() if u.startswith("dense/")}
+        assert dense == ({("memory_local", None)} if rank < 2 else {("memory_peer", rank - 2)})
+        assert _steps(report) == _steps(reports[0])
+    check_bitwise(tmp_path, reports)
+    assert reports[2]["plt"] == pytest.approx(plt_by_hand(tmp_path, 20, _steps(reports[2])), rel=1e-9)

@@ -31,7 +31,7 @@ from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import data_parallel_meshes, shard_gpt_moe
-from moc_lightning.pieces import check_supported
+from moc_lightning.pieces import check_supported, replicas
 from moc_lightning.snapshot import SnapshotStore
 from moc_lightning.two_level import TwoLevelCheckpointer
 from moc_lightning.units import ExpertUnit, parse_unit
@@ -43,7 +43,7 @@ TINY_MOE_LAYERS = [i for i in range(TINY.n_layer) if (i + 1) % TINY.moe_every ==
 
 def _layouts(rank: int, world_size: int) -> dict:
     """Unit keys and bytes of the same model under DDP and under FSDP2 (ep=1: experts sharded over both ranks;
-    ep=2: each expert whole on its one holder); what MoC answers to HSDP."""
+    ep=2: each expert whole on its one holder); under HSDP with shard groups of 1, who holds a piece."""
     out = {}
     for mode, ep in (("ddp", 1), ("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)):
         trainee = Trainee(ExpertParallelTopology.from_process_group(ep), fsdp2=mode == "fsdp2")
@@ -62,11 +62,8 @@ def _layouts(rank: int, world_size: int) -> dict:
     hsdp = GPTMoE(TINY, ExpertParallelTopology.from_process_group(1), seed=0)
     dense, experts = data_parallel_meshes(world_size, 1, 1, "cpu")
     shard_gpt_moe(hsdp, dense, experts, MixedPrecisionPolicy())
-    try:
-        check_supported(dict(hsdp.named_parameters()), "GPTMoE")
-        out["hsdp"] = "no refusal"
-    except ValueError as refusal:
-        out["hsdp"] = str(refusal)
+    check_supported(dict(hsdp.named_parameters()), "GPTMoE")
+    out["hsdp"] = {name: replicas(p) for name, p in hsdp.named_parameters()}
     return out
 
 
@@ -74,7 +71,8 @@ def _layouts(rank: int, world_size: int) -> dict:
 def test_layout_of_fsdp2_dtensors_has_ddps_units_and_bytes(tmp_path: Path) -> None:
     """Experts are found in DTensor parameters as in DDP's plain ones, under the same unit keys (checkpoints are
     interchangeable between the modes), and a unit's bytes are the whole unit's (eq. 5/6), while its local bytes
-    are this rank's pieces: half of a unit sharded over 2 ranks. HSDP is refused by name."""
+    are this rank's pieces: half of a unit sharded over 2 ranks. Under HSDP with shard groups of 1 every piece is
+    whole and held by both ranks, its replicas."""
     ranks = run_ranks(_layouts, 2, tmp_path)
     for rank in ranks:
         for ep in (1, 2):
@@ -85,7 +83,7 @@ def test_layout_of_fsdp2_dtensors_has_ddps_units_and_bytes(tmp_path: Path) -> No
         sharded = rank[("fsdp2", 1)]
         for key, total in sharded["bytes"].items():
             assert sharded["local_bytes"][key] < total.total, f"{key} is sharded over both ranks"
-        assert "trainer.data_parallel=hsdp" in rank["hsdp"] and "not supported yet" in rank["hsdp"]
+        assert set(rank["hsdp"].values()) == {(0, 1)}
     sharded = [rank[("fsdp2", 1)] for rank in ranks]
     for key, total in sharded[0]["bytes"].items():
         pieces = sharded[0]["local_bytes"][key] + sharded[1]["local_bytes"][key]
@@ -186,7 +184,7 @@ def test_a_k1_persist_writes_each_ranks_pieces_and_eq6_over_ranks(written_by_fsd
 
 
 @contextlib.contextmanager
-def _no_gathering() -> Iterator[None]:
+def no_gathering() -> Iterator[None]:
     """Fail a DTensor gathered (``full_tensor``, ``redistribute``) or a tensor all-gather through ``torch.distributed``
     while inside (DCP's exchange of plans, pickled objects, still runs)."""
 
@@ -202,24 +200,27 @@ def _no_gathering() -> Iterator[None]:
         yield
 
 
-def _snapshot_and_recover(rank: int, world_size: int, root: str, lose_rank: int | None) -> dict:
+def snapshot_and_recover(
+    rank: int, world_size: int, root: str, lose_rank: int | None, shard_size: int | None = None
+) -> dict:
     """Two steps with a snapshot (K=2) and persist (K=1) each, during which nothing may gather a DTensor; then a fresh
-    FSDP2 model recovers. With ``lose_rank``, that rank's slots are gone first (its node was lost)."""
+    FSDP2 model (HSDP with ``shard_size``) recovers. With ``lose_rank``, that rank's slots are gone first (its node
+    was lost)."""
     url = Path(root, "ckpt").as_uri()
     shm = Path(root, "shm", f"rank{rank}")
-    trainee = Trainee(ExpertParallelTopology.from_process_group(1), fsdp2=True)
+    trainee = Trainee(ExpertParallelTopology.from_process_group(1), fsdp2=True, shard_size=shard_size)
     pec = trainee.engine(every_step_config(2, 1), url)
     engine = TwoLevelCheckpointer(pec, SnapshotStore(shm))
     for step in (1, 2):
         trainee.step(step)
         pec.record_tokens(trainee.model.moe_layers())
-        with _no_gathering():
+        with no_gathering():
             engine.snapshot(step, {"step": step})
             engine.wait_snapshot()
             engine.finish()
     captured = trainee.snapshot()
     slot_units = [parse_unit(key) for key in engine.store.committed()[-1].units]
-    fresh = Trainee(ExpertParallelTopology.from_process_group(1), seed=1, fsdp2=True)
+    fresh = Trainee(ExpertParallelTopology.from_process_group(1), seed=1, fsdp2=True, shard_size=shard_size)
     store = SnapshotStore(shm)
     if rank == lose_rank:
         store.clear()
@@ -235,7 +236,7 @@ def test_fsdp2_recovers_from_memory_only_where_every_piece_survived(tmp_path: Pa
     """Every rank snapshots its own pieces (a slot holds about half of the units' bytes) and recovers them bitwise
     from its own slot. When one rank's slots are lost, no unit is whole in memory any more: every unit comes from
     storage (dense and the persisted expert of step 2) or is lost (the experts only snapshotted)."""
-    ranks = run_ranks(_snapshot_and_recover, 2, tmp_path, str(tmp_path), lose_rank)
+    ranks = run_ranks(snapshot_and_recover, 2, tmp_path, str(tmp_path), lose_rank)
     for rank in ranks:
         report = rank["report"]
         assert report.resume_step == 2

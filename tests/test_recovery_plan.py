@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moc_lightning.ledger import NEVER
 from moc_lightning.manifest import CheckpointRecord, Manifest
-from moc_lightning.recovery import SlotInventory, Source, plan_recovery
+from moc_lightning.recovery import SlotInventory, Source, piece_donors, plan_recovery
 
 DENSE = ["dense/a", "dense/b"]
 EXPERTS = ["expert/L0/E0", "expert/L0/E1", "expert/L0/E2", "expert/L0/E3"]
@@ -74,7 +74,7 @@ def test_a_unit_in_pieces_is_in_memory_only_where_every_holder_has_its_piece() -
     """FSDP2: every holder keeps its own piece of a unit. A step is in memory for a unit only when all its holders'
     slots of that step have it; then each takes its own piece (one source, no rank). A unit one holder lost comes
     from storage whole, not half from memory."""
-    holders = {unit: (0, 1) for unit in DENSE + EXPERTS}
+    holders = {unit: ((0,), (1,)) for unit in DENSE + EXPERTS}
     manifest = _manifest((10, DENSE + ["expert/L0/E0"]))
     both = DENSE + ["expert/L0/E1", "expert/L0/E2"]
     slots = [_slot(0, 0, 20, both), _slot(1, 0, 20, both + ["expert/L0/E3"]), _slot(0, 1, 30, DENSE)]
@@ -88,3 +88,20 @@ def test_a_unit_in_pieces_is_in_memory_only_where_every_holder_has_its_piece() -
     lost = plan_recovery(DENSE, EXPERTS, [s for s in slots if s.rank == 0], manifest, holders)
     assert lost.resume_step == 10
     assert {s.level for s in lost.sources.values()} == {"storage", "none"}
+
+
+def test_hsdp_replicas_of_a_piece_stand_in_for_each_other() -> None:
+    """HSDP, 4 ranks in 2 replica groups: ranks 0 and 2 hold one piece of every unit, 1 and 3 the other. A unit is in
+    memory at a step while some slot of it holds each piece: rank 2 lost its slots, so rank 0 sends it its pieces.
+    When both replicas of a piece are gone (ranks 1 and 3), the unit comes from storage, not half from memory."""
+    holders = {unit: ((0, 2), (1, 3)) for unit in DENSE + EXPERTS}
+    manifest = _manifest((10, DENSE + ["expert/L0/E0"]))
+    units = DENSE + ["expert/L0/E1"]
+    slots = [_slot(rank, 0, 20, units) for rank in (0, 1, 3)]
+    plan = plan_recovery(DENSE, EXPERTS, slots, manifest, holders)
+    assert plan.resume_step == 20
+    assert plan.unit_source("expert/L0/E1") == plan.unit_source("dense/a") == Source("memory", 20, pieces=True)
+    assert piece_donors("dense/a", 20, slots, holders["dense/a"]) == {2: 0}
+    assert piece_donors("dense/a", 20, [*slots, _slot(2, 0, 20, units)], holders["dense/a"]) == {}
+    lost = plan_recovery(DENSE, EXPERTS, [s for s in slots if s.rank == 0], manifest, holders)
+    assert lost.resume_step == 10 and lost.unit_source("expert/L0/E1") == Source("none", NEVER)

@@ -109,14 +109,16 @@ def _fit(root: Path, devices: int, ep: int, callbacks: list[L.Callback], **kw: A
     return moc
 
 
-def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, fault: str) -> dict[str, Any]:
+def _runs(
+    rank: int, world_size: int, root: str, ep: int, crash: int, fault: str, precision: str
+) -> dict[str, Any]:
     """The uninterrupted run (its state at every window's end and at ``max_steps``); a run that crashes after step
     ``crash`` on every rank, then ``fault`` (:data:`FAULTS`); its resume in a new Trainer (the state as its first
     step begins, the windows in storage then, and the state at ``max_steps``)."""
     straight = Recorder(at=(*range(WINDOW, MAX_STEPS, WINDOW), MAX_STEPS), model=NOISY)
-    _fit(Path(root) / "straight", world_size, ep, [straight])
+    _fit(Path(root) / "straight", world_size, ep, [straight], precision=precision)
     try:
-        _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)])
+        _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)], precision=precision)
     except Crash:
         pass
     faulty = Path(root) / "faulty"
@@ -127,7 +129,7 @@ def _runs(rank: int, world_size: int, root: str, ep: int, crash: int, fault: str
     torch.distributed.barrier()
     resumed = FirstStep(at=(MAX_STEPS,), model=NOISY)
     logger = CSVLogger(Path(root) / "faulty" / "logs", name="", version="")
-    moc = _fit(Path(root) / "faulty", world_size, ep, [resumed], logger=logger)
+    moc = _fit(Path(root) / "faulty", world_size, ep, [resumed], logger=logger, precision=precision)
     return {
         "straight": straight.states,
         "report": asdict(moc.replay_report) if moc.replay_report is not None else None,
@@ -145,12 +147,20 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "ep", "fault"),
-    [(2, 1, "crash"), (4, 2, "rank1_lost_its_newest_window"), (2, 1, "rank1_node_lost_rank0_write_lost")],
-    ids=["2_ranks_ddp", "4_ranks_ep2_rank1_lost_its_newest_window", "2_ranks_rank1_node_lost_rank0_write_lost"],
+    ("world_size", "ep", "fault", "precision"),
+    [
+        (2, 1, "crash", "32-true"),
+        (2, 2, "crash", "bf16-mixed"),
+        (4, 2, "rank1_lost_its_newest_window", "32-true"),
+        (2, 1, "rank1_node_lost_rank0_write_lost", "32-true"),
+    ],
+    ids=[
+        "2_ranks_ddp", "2_ranks_ep2_bf16_mixed", "4_ranks_ep2_rank1_lost_its_newest_window",
+        "2_ranks_rank1_node_lost_rank0_write_lost",
+    ],
 )
 def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
-    tmp_path: Path, world_size: int, ep: int, fault: str
+    tmp_path: Path, world_size: int, ep: int, fault: str, precision: str
 ) -> None:
     """``rank1_lost_its_newest_window``: the ranks agree on the window before the newest. With rank 1's node lost
     and rank 0's newest storage write lost, every rank still has the newest window (rank 0 in memory, rank 1 in
@@ -158,7 +168,9 @@ def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state
     lose_newest = fault == "rank1_lost_its_newest_window"
     crash = _crash_step(WINDOW + 1 if fault == "crash" else 2 * WINDOW)  # two windows before a lost one
     print(f"{fault}: {FAULTS[fault]}")
-    ranks = run_ranks(_runs, world_size, tmp_path, str(tmp_path), ep, crash, fault, init_process_group=False)
+    ranks = run_ranks(
+        _runs, world_size, tmp_path, str(tmp_path), ep, crash, fault, precision, init_process_group=False
+    )
 
     resume_step = _newest_end(crash) - (WINDOW if lose_newest else 0)
     for rank, run in enumerate(ranks):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -23,13 +27,22 @@ BATCH = 8
 class Trainee:
     """A model, its optimizer and the router counts of every step, as a test records them by hand. ``zero``:
     ZeRO-2 (:class:`ZeroAdamW`, each parameter's state on one of its holders) instead of DDP's replicated state;
-    ``fsdp2``: FSDP2 ``fully_shard`` over all ranks (parameters and optimizer state are DTensors)."""
+    ``fsdp2``: FSDP2 ``fully_shard`` over all ranks (parameters and optimizer state are DTensors), or with
+    ``shard_size`` HSDP: sharded within groups of that many consecutive ranks, replicated across the groups."""
 
-    def __init__(self, topology: ExpertParallelTopology, seed: int = 0, zero: bool = False, fsdp2: bool = False) -> None:
+    def __init__(
+        self,
+        topology: ExpertParallelTopology,
+        seed: int = 0,
+        zero: bool = False,
+        fsdp2: bool = False,
+        shard_size: int | None = None,
+    ) -> None:
         self.model = GPTMoE(TINY, topology, seed=seed)
         self.fsdp2 = fsdp2
         if fsdp2:
-            dense, experts = data_parallel_meshes(topology.world_size, topology.world_size, topology.ep, "cpu")
+            shards = shard_size or topology.world_size
+            dense, experts = data_parallel_meshes(topology.world_size, shards, topology.ep, "cpu")
             shard_gpt_moe(self.model, dense, experts, MixedPrecisionPolicy())
         if zero:
             partition = partition_by_units(build_layout(self.model, None, expert_parallel=topology.ep), topology)
@@ -103,20 +116,24 @@ def train_and_checkpoint(
     zero: bool = False,
     fsdp2: bool = False,
     pec_scope: str = "both",
+    shard_size: int | None = None,
+    guard: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> dict:
     """Six steps with PEC checkpoints (K=4 of 8, ``pec_scope``) at steps 2 and 4, which save disjoint expert subsets.
 
     ``captured``: this rank's tensors at each checkpoint (local pieces under ``fsdp2``); under ``fsdp2`` also
-    ``captured_full``, the whole tensors (all-gathered for the test's oracle)."""
+    ``captured_full``, the whole tensors (all-gathered for the test's oracle). ``shard_size``: HSDP's (with
+    ``fsdp2``); each checkpoint runs inside ``guard()`` (a test's tripwire)."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
-    trainee = Trainee(topology, zero=zero, fsdp2=fsdp2)
+    trainee = Trainee(topology, zero=zero, fsdp2=fsdp2, shard_size=shard_size)
     engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend), pec_scope=pec_scope), url)
     captured, full, saved = {}, {}, {}
     for step in range(1, 7):
         trainee.step(step)
         engine.record_tokens(trainee.model.moe_layers())
         if step in (2, 4):
-            report = engine.checkpoint(step)
+            with guard():
+                report = engine.checkpoint(step)
             captured[step] = trainee.snapshot()
             if fsdp2:
                 full[step] = trainee.full_snapshot()
@@ -133,11 +150,13 @@ def load_fresh(
     backend: str = "filesystem",
     zero: bool = False,
     fsdp2: bool = False,
+    shard_size: int | None = None,
 ) -> dict:
     """A differently initialised model restored from storage: what it loaded (local pieces under ``fsdp2``, and in
-    ``loaded_full`` the whole tensors, all-gathered for the test's oracle) and from which steps."""
+    ``loaded_full`` the whole tensors, all-gathered for the test's oracle) and from which steps. ``shard_size``:
+    HSDP's (with ``fsdp2``)."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
-    fresh = Trainee(topology, seed=1, zero=zero, fsdp2=fsdp2)
+    fresh = Trainee(topology, seed=1, zero=zero, fsdp2=fsdp2, shard_size=shard_size)
     load = fresh.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend)), url).load_latest()
     result = {"loaded": fresh.snapshot(), "sources": load.sources, "plt": load.plt}
     return result | ({"loaded_full": fresh.full_snapshot()} if fsdp2 else {})
