@@ -56,9 +56,10 @@ from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_dat
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay_driver import WINDOW_PREFIX, window_object
+from moc_lightning.replay_driver import WINDOW_PREFIX
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
+from moc_lightning.window_store import STORAGE_COPIES, window_object
 
 try:
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
@@ -528,12 +529,14 @@ class MoCMethod(Method):
 
 class ReplayMethod(MoCMethod):
     """``MoCCheckpoint`` with ``checkpoint.mode=replay``: every iteration captures a window offset (the full state of
-    its active units, the weights of the frozen ones) on the training thread, and each complete window is written
-    to storage; a recovery restores the newest window and replays up to W-1 iterations before the first step.
+    its active units, the weights of the frozen ones) on the training thread, and each complete window is handed
+    to a background thread that places it in shared memory and then writes it to storage; a recovery restores the
+    newest window and replays up to W-1 iterations before the first step.
 
-    Its stall is every iteration's batch-end hook (capture, and the window's write every W iterations), as the
-    issue measures it (a snapshot every iteration); its "snapshot" is a capture, its "persist" a window's write,
-    its "checkpoint" on disk the window file (one object, replaced at each window), and its eq. 5/6 bytes are a
+    Its stall is every iteration's batch-end hook (capture, and every W iterations the hand-over, which waits for
+    the previous window's writes if they are still running), as the issue measures it (a snapshot every
+    iteration); its "snapshot" is a capture, its "persist" a window's storage write (in the background), its
+    "checkpoint" on disk the newest window object (rank 0's objects alternate), and its eq. 5/6 bytes are a
     window's tensor bytes (every unit's full state once, plus the logged weights).
     """
 
@@ -543,8 +546,8 @@ class ReplayMethod(MoCMethod):
         super().__init__(name, root, every, shm_root, mode="replay", replay=ReplayConfig(window=window))
         self.window = window
         self.notes = (
-            f"replay window W={window}: a capture every iteration; each complete window written to storage on the "
-            "training thread"
+            f"replay window W={window}: a capture every iteration on the training thread; each complete window "
+            "written to shared memory and then storage by a background thread"
         )
 
     def attach(self, trainer: L.Trainer) -> None:
@@ -562,12 +565,12 @@ class ReplayMethod(MoCMethod):
         return wrapper
 
     def stalls(self) -> list[float]:
-        """Every iteration's hook: a replay capture is synchronous, there is no commit to wait for."""
+        """Every iteration's hook: the capture, and every W iterations the window's hand-over."""
         return [s for _, s in self.probe.blocking]
 
     def checkpoints(self) -> list[Path]:
-        """The newest window this process wrote (one of the two objects rank 0 alternates)."""
-        written = [p for p in (self.root / "ckpt" / window_object(0, index) for index in range(2)) if p.exists()]
+        """The newest window this process wrote (one of the objects rank 0 alternates)."""
+        written = [p for p in (self.root / "ckpt" / window_object(0, i) for i in range(STORAGE_COPIES)) if p.exists()]
         return [max(written, key=lambda p: p.stat().st_mtime_ns)] if written else []
 
     def expected_bytes(self, trainer: L.Trainer) -> float | None:

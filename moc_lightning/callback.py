@@ -66,7 +66,7 @@ from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.pieces import check_supported
 from moc_lightning.replay_driver import (
-    ReplayReport, WindowCapture, WindowLog, check_strategy, check_trainer, load_window, replay_window, store_window,
+    ReplayReport, WindowCapture, WindowLog, check_strategy, check_trainer, replay_window,
 )
 from moc_lightning.replay_memory import WindowMemory, window_memory
 from moc_lightning.routing import TokenSource, token_source, unknown_message
@@ -76,6 +76,7 @@ from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 from moc_lightning.window_choice import WindowChoice, WindowProbe
+from moc_lightning.window_store import MEMORY_SUFFIX, WindowStore, memory_path
 
 
 class MoCCheckpoint(Checkpoint):
@@ -107,7 +108,9 @@ class MoCCheckpoint(Checkpoint):
         self._probe: WindowProbe | None = None
         self.window_choice: WindowChoice | None = None
         """``mode=replay`` with ``replay.window=auto``: W and what it was chosen from (``None`` until chosen)."""
-        self._to_replay: WindowLog | None = None
+        self.windows: WindowStore | None = None
+        """``mode=replay``: where completed windows go (shared memory, then storage) and are found on resume."""
+        self._to_replay: tuple[WindowLog, str] | None = None
         self.replay_report: ReplayReport | None = None
         """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
         self.window_memory: WindowMemory | None = None
@@ -189,6 +192,8 @@ class MoCCheckpoint(Checkpoint):
         elif self.config.replay.window != "auto":
             self._check_window_memory(layout, self.config.replay.window, topology.rank, slot_root.parent)
         self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
+        if self.config.mode == "replay":
+            self.windows = WindowStore(pec.storage, memory_path(slot_root), topology.rank)
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
 
@@ -282,10 +287,12 @@ class MoCCheckpoint(Checkpoint):
     def _restore_window(
         self, module: L.LightningModule, optimizer: torch.optim.Optimizer, manifest: Any
     ) -> dict[str, Any]:
-        """``mode=replay``: resume at the end of the newest complete window in storage. Its trainer state goes to
+        """``mode=replay``: resume at the end of the newest window every rank has in shared memory or in storage
+        (:meth:`WindowStore.restore`, which re-stores it where only memory held it). Its trainer state goes to
         Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
         engine = self.engine
-        log = load_window(engine.pec.storage, engine.rank, manifest.lineage)
+        found = self.windows.restore(manifest.lineage)
+        log = found.log if found is not None else None
         engine.store.clear()  # PEC's slots play no part in replay mode
         resumed = manifest.lineage.resumed_at(log.end_step if log is not None else 0)
         engine.pec.commit_lineage(manifest.with_lineage(resumed))
@@ -293,7 +300,7 @@ class MoCCheckpoint(Checkpoint):
         engine.pec.base_on(manifest)
         if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
             return self._fresh_checkpoint(module, "no replay window of this run that every rank completed")
-        self._to_replay = log
+        self._to_replay = (log, found.source)
         return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 
     def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
@@ -401,7 +408,7 @@ class MoCCheckpoint(Checkpoint):
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
-            store_window(engine.pec.storage, engine.rank, window, engine.lineage)
+            self.windows.hand_over(window, engine.lineage)
         if self._probe is not None and self._probe.end():
             self._choose_window(trainer)
         engine.poll_persist()
@@ -473,6 +480,8 @@ class MoCCheckpoint(Checkpoint):
         return self.config.persist_on_fit_end and 0 < trainer.max_steps <= trainer.global_step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.windows is not None:
+            self.windows.flush()
         self.engine.finish()
         if self.config.persist_on_fit_end:
             report = self.engine.persist_final(trainer.global_step, self._last_step_state(trainer))
@@ -525,6 +534,12 @@ class MoCCheckpoint(Checkpoint):
             f"({stats.skipped_persists} skipped while one was in flight, {stats.failed_persists} failed), "
             f"mean stall {stall:.2f} ms per snapshot",
         ]
+        if self.windows is not None and (stalls := self.windows.stall_seconds):
+            lines.append(
+                f"[moc_lightning] {len(stalls)} replay windows handed over to shared memory and storage; hand-over "
+                f"{sum(stalls) / len(stalls) * 1000:.2f} ms mean, {max(stalls) * 1000:.2f} ms at most on the training "
+                "thread"
+            )
         model = pec.size_model()
         if stats.persist_reports:
             report = stats.persist_reports[-1]
@@ -569,8 +584,8 @@ class MoCCheckpoint(Checkpoint):
 
     def _replay(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """``mode=replay``: recompute the restored window before the first new step (:mod:`replay_driver`)."""
-        log, self._to_replay = self._to_replay, None
-        report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log)
+        (log, source), self._to_replay = self._to_replay, None
+        report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log, source)
         self._write_report({"mode": "replay", **dataclasses.asdict(report)})
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
@@ -581,8 +596,8 @@ class MoCCheckpoint(Checkpoint):
             logger.log_metrics(metrics, step=trainer.global_step)
         if self.engine.rank == 0:
             print(f"[moc_lightning] replayed {report.replay_iterations} iterations of the window from step "
-                  f"{report.window_start} in {report.replay_seconds:.2f}s; every unit is at its fault-free state of "
-                  f"step {report.resume_step} (PLT 0)")
+                  f"{report.window_start} ({report.source}) in {report.replay_seconds:.2f}s; every unit is at its "
+                  f"fault-free state of step {report.resume_step} (PLT 0)")
 
 
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:
@@ -611,23 +626,19 @@ def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Pa
 
 
 def check_window_memory(config: CheckpointConfig, memory: WindowMemory, node_root: Path) -> None:
-    """``mode=replay``: fail before training when the shared-memory root cannot hold the windows of this node's
-    ranks (:mod:`moc_lightning.replay_memory`), counted as :func:`check_shm_root` counts PEC's slots.
-
-    The windows are kept in the processes' memory for now (the issue puts them in the shared-memory slots, where
-    a restarted process finds them); a tmpfs and the processes draw on the same host memory, so the root's free
-    space is the bound either way.
-    """
+    """``mode=replay``: fail before training when the shared-memory root cannot hold the window copies of this
+    node's ranks (:mod:`moc_lightning.replay_memory`), counted as :func:`check_shm_root` counts PEC's slots."""
     local_ranks = _local_ranks(config)
-    needed = memory.total * local_ranks
+    needed = memory.in_shared_memory * local_ranks
     free = _shm_free(config, node_root)
     if free < needed:
         raise ValueError(
             f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the replay windows need about "
-            f"{needed / 1e6:.1f} MB ({memory.windows_kept} windows x {local_ranks} ranks, W={memory.window}: "
-            f"{memory.window_bytes / 1e6:.1f} MB a window, up to {max(memory.per_iteration) / 1e6:.1f} MB per "
-            "iteration); use a larger tmpfs, a smaller checkpoint.replay.window (a window holds every unit's full "
-            "state once plus the weights of the units still frozen), or checkpoint.mode=pec"
+            f"{needed / 1e6:.1f} MB ({memory.shm_copies} copies x {local_ranks} ranks x "
+            f"{memory.window_bytes / 1e6:.1f} MB a window at checkpoint.replay.window={memory.window}, up to "
+            f"{max(memory.per_iteration) / 1e6:.1f} MB per iteration); use a larger tmpfs, a smaller "
+            "checkpoint.replay.window (a window holds every unit's full state once plus the weights of the units "
+            "still frozen), or checkpoint.mode=pec"
         )
 
 
@@ -649,8 +660,11 @@ def _shm_free(config: CheckpointConfig, node_root: Path) -> int:
 
 
 def _already_used(node_root: Path) -> int:
-    """Bytes this run's existing slots on this node occupy (they are reused, so they count as available)."""
-    return sum(p.stat().st_size for p in node_root.rglob("data")) if node_root.exists() else 0
+    """Bytes this run's existing slots and replay windows on this node occupy (they are reused, so they count as
+    available)."""
+    if not node_root.exists():
+        return 0
+    return sum(p.stat().st_size for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(MEMORY_SUFFIX))
 
 
 class _MoCCheckpointIO(CheckpointIO):

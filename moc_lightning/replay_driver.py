@@ -1,5 +1,6 @@
 """Replay mode inside Lightning (``checkpoint.mode=replay``): capture a window every iteration of a fit, keep
-the newest complete one in storage, and on resume replay it through the module's own ``training_step``.
+the newest complete ones in shared memory and in storage, and on resume replay one through the module's own
+``training_step``.
 
 What a window holds besides :class:`~moc_lightning.replay.WindowRecord`'s tensors, so that a new process can
 repeat its iterations exactly: each iteration's batch (the tensors Lightning handed to ``training_step``, kept
@@ -9,13 +10,10 @@ window's first iteration (those its second one used); and the trainer state afte
 (:mod:`moc_lightning.trainer_state`: loops, the train loader's position, RNG), which Lightning resumes from.
 
 Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a window
-completes, each rank writes its own (its units, batches and RNG streams; under DDP every rank writes the replicated
-units too, the simplest correct choice) to storage on the training thread, in one of two objects per rank that
-alternate (:func:`window_object`), so a rank's previous window stays whole while the next is written. On resume the
-ranks agree on the newest window every one of them completed (:func:`load_window`): a rank killed before its write
-leaves the others one window ahead (no further: a step's collectives keep the ranks within a step of each other),
-and all go back to the one before. Writing through the shared-memory slots and the background persist, as PEC's
-snapshots go, is the next step (issue 14).
+completes, each rank hands its own (its units, batches and RNG streams; under DDP every rank keeps the replicated
+units too, the simplest correct choice) to :class:`~moc_lightning.window_store.WindowStore`, which places it in
+node-local shared memory and then in storage off the training thread; on resume the ranks agree on the newest
+window every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
 
 A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``
 called through the strategy, ``on_before_backward``, ``backward``, ``on_after_backward``,
@@ -48,12 +46,10 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from moc_lightning import trainer_state
-from moc_lightning.agreement import gather
 from moc_lightning.layout import Layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.replay import Replay, WindowRecord
 from moc_lightning.replay_memory import WINDOWS_KEPT, window_plan
-from moc_lightning.storage import CheckpointStorage
 from moc_lightning.units import parse_unit
 
 SUPPORTED = (
@@ -220,32 +216,7 @@ class WindowCapture:
 
 
 WINDOW_PREFIX = "replay_window."
-"""Names of the storage objects holding windows begin so."""
-
-
-def window_object(rank: int, index: int) -> str:
-    """The storage object of ``rank``'s window number ``index`` (its first step over W): two per rank, alternating."""
-    return f"{WINDOW_PREFIX}rank{rank}.{index % 2}.pt"
-
-
-def store_window(storage: CheckpointStorage, rank: int, log: WindowLog, lineage: Lineage | None) -> None:
-    """Write ``rank``'s completed window over its window before the previous one."""
-    storage.put(window_object(rank, log.start_step // log.record.window), log.to_bytes(lineage))
-
-
-def load_window(storage: CheckpointStorage, rank: int, lineage: Lineage) -> WindowLog | None:
-    """``rank``'s part of the newest window that every rank completed in ``lineage``'s current timeline, or
-    ``None`` when they have none in common (collective: every rank gets its part of the same window)."""
-    mine: dict[int, WindowLog] = {}
-    for slot in range(2):
-        data = storage.get(window_object(rank, slot))
-        if data is None:
-            continue
-        log, stamp = WindowLog.from_bytes(data)
-        if lineage.admits(stamp, log.end_step):
-            mine[log.end_step] = log
-    common = set.intersection(*(set(ends) for ends in gather(sorted(mine))))
-    return mine[max(common)] if common else None
+"""Names of the storage objects holding windows begin so (:func:`~moc_lightning.window_store.window_object`)."""
 
 
 @dataclass
@@ -262,9 +233,13 @@ class ReplayReport:
     """Wall time of the replay."""
     plt: float = 0.0
     """Proportion of lost tokens: none, every unit is back at its fault-free state after the window."""
+    source: str = "storage"
+    """Where the window came from: ``memory`` (node-local shared memory) or ``storage``."""
 
 
-def replay_window(trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog) -> ReplayReport:
+def replay_window(
+    trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog, source: str
+) -> ReplayReport:
     """Bring ``layout``'s model and optimizer to their state after ``log``'s window, by replaying it (module
     docstring); the LR schedulers and the optimizer's hyperparameters end where the window left them."""
     optimizer = trainer.optimizers[0]
@@ -295,7 +270,7 @@ def replay_window(trainer: L.Trainer, module: L.LightningModule, layout: Layout,
             for scheduler in schedulers:
                 scheduler.step()
         run.finish()
-    return ReplayReport(log.start_step, log.end_step, len(run.iterations), time.perf_counter() - start)
+    return ReplayReport(log.start_step, log.end_step, len(run.iterations), time.perf_counter() - start, source=source)
 
 
 @contextlib.contextmanager

@@ -4,8 +4,10 @@ shared-memory root there (issue 14, item 3), as PEC's snapshot slots are.
 A window (:class:`~moc_lightning.replay.WindowRecord`) holds, per iteration, the full state of the units active
 there and the compute weights of the units still frozen; its buffers are allocated at the first window and
 reused. The driver keeps :data:`WINDOWS_KEPT` windows so that the newest complete one stays intact while the next
-is captured. Writing a complete window to storage serializes it into one more window-sized buffer for the length
-of the write; that transient copy is not counted. Sizes come before the optimizer's first step, so a unit without
+is captured, and :class:`~moc_lightning.window_store.WindowStore` holds up to :data:`SHM_COPIES` serialized
+copies in the node's shared memory (the newest, and the next one while it replaces it): those count against the
+shared-memory root. Serializing a window for its writes takes one more window-sized buffer for a while; that
+transient copy is not counted. Sizes come before the optimizer's first step, so a unit without
 optimizer state yet is counted with the state the step will create
 (:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments, without its per-parameter 4-byte
 ``step``), within a few bytes per parameter of what the captures copy.
@@ -22,7 +24,10 @@ from moc_lightning.replay import offset_bytes, window_schedule
 from moc_lightning.units import Unit
 
 WINDOWS_KEPT = 2
-"""Windows in memory at once: the newest complete one, and the one being captured."""
+"""Windows in the process at once: the newest complete one, and the one being captured."""
+
+SHM_COPIES = 2
+"""Window copies a rank holds in shared memory at the peak: the newest, and the next one replacing it."""
 
 
 def window_sizes(layout: Layout) -> dict[Unit, UnitBytes]:
@@ -53,7 +58,9 @@ class WindowMemory:
     window: int
     """W, iterations of a window."""
     windows_kept: int = WINDOWS_KEPT
-    """Windows held in memory at once."""
+    """Windows the process captures into."""
+    shm_copies: int = SHM_COPIES
+    """Window copies in shared memory at the peak."""
 
     @property
     def window_bytes(self) -> int:
@@ -61,15 +68,27 @@ class WindowMemory:
         return sum(self.per_iteration)
 
     @property
-    def total(self) -> int:
-        """All windows kept."""
+    def in_process(self) -> int:
+        """The windows the process captures into."""
         return self.window_bytes * self.windows_kept
+
+    @property
+    def in_shared_memory(self) -> int:
+        """The copies in the node's shared memory (what the shared-memory root must hold for this rank)."""
+        return self.window_bytes * self.shm_copies
+
+    @property
+    def total(self) -> int:
+        """Host memory of the windows, process and shared memory together."""
+        return self.in_process + self.in_shared_memory
 
     def describe(self) -> str:
         return (
             f"replay window W={self.window}: {max(self.per_iteration) / 1e6:.1f} MB per iteration at most "
-            f"(mean {self.window_bytes / self.window / 1e6:.1f} MB), {self.window_bytes / 1e6:.1f} MB a window, "
-            f"{self.total / 1e6:.1f} MB for the {self.windows_kept} windows kept in memory"
+            f"(mean {self.window_bytes / self.window / 1e6:.1f} MB), {self.window_bytes / 1e6:.1f} MB a window; "
+            f"{self.in_process / 1e6:.1f} MB for the {self.windows_kept} windows captured in the process and "
+            f"{self.in_shared_memory / 1e6:.1f} MB for up to {self.shm_copies} copies in shared memory, "
+            f"{self.total / 1e6:.1f} MB in all"
         )
 
 

@@ -89,6 +89,8 @@ class Recorder(L.Callback):
         if trainer.global_step == self.crash_after:
             self.moc = next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint))
             self.moc.engine.finish()  # let the background persist end, as a killed process's would not matter
+            if self.moc.windows is not None:
+                self.moc.windows.flush()  # and the replay window's writes: a resume in this process must not race them
             raise Crash(f"killed after step {trainer.global_step}")
 
 

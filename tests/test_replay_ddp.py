@@ -1,9 +1,10 @@
 """``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 and 4 ranks (gloo, CPU), with and without
-expert parallelism: after a crash at a random step, a new Trainer on every rank agrees on the newest window that all
-ranks completed, replays it together through the DDP-wrapped ``training_step``, and every rank lands bitwise on the
-uninterrupted run's state (every parameter, buffer and optimizer tensor), then trains on bitwise identically to
-``max_steps``. The resume runs in the crashed fit's processes (a spawn costs tens of seconds on the test machine);
-nothing of the crashed Trainer, module or optimizer carries over."""
+expert parallelism: after a crash at a random step (and, in some cases, a rank's lost shared memory or storage
+write), a new Trainer on every rank agrees on the newest window that all ranks have, replays it together through
+the DDP-wrapped ``training_step``, and every rank lands bitwise on the uninterrupted run's state (every parameter,
+buffer and optimizer tensor), then trains on bitwise identically to ``max_steps``. The resume runs in the crashed
+fit's processes (a spawn costs tens of seconds on the test machine); nothing of the crashed Trainer, module or
+optimizer carries over."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from lightning_run import MODEL, Crash, Recorder, cpu_trainer, datamodule, moc_c
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay_driver import window_object
+from moc_lightning.replay_driver import WindowLog
+from moc_lightning.storage import make_storage
+from moc_lightning.window_store import MEMORY_SUFFIX, STORAGE_COPIES, window_object
 
 MAX_STEPS = 10
 WINDOW = 3
@@ -59,6 +62,39 @@ class FirstStep(Recorder):
         if self.start_step is None:
             self.start_step = trainer.global_step
             self.start = self._tensors(trainer, module)
+            self.stored = _stored_ends(Path(trainer.default_root_dir).parent, trainer.global_rank)
+
+
+FAULTS = {
+    "crash": "every rank's windows are in memory and storage",
+    "rank1_lost_its_newest_window": "rank 1 was killed before placing its newest window (not in memory nor storage)",
+    "rank1_node_lost_rank0_write_lost": (
+        "rank 1's node was replaced (its shared memory is gone), rank 0's newest storage write never landed"
+    ),
+}
+"""What happened besides the crash, by name."""
+
+
+def _stored_ends(root: Path, rank: int) -> list[int]:
+    """End steps of the windows in ``rank``'s storage objects, oldest first."""
+    storage = make_storage("filesystem", (root / "ckpt").as_uri())
+    found = (storage.get(window_object(rank, index)) for index in range(STORAGE_COPIES))
+    return sorted(WindowLog.from_bytes(data)[0].end_step for data in found if data is not None)
+
+
+def _newest_end(crash: int) -> int:
+    """The end of the newest window a fit crashed after step ``crash`` completed: the crash comes before MoC's hook
+    of that step (Lightning runs checkpoint callbacks last), so a window ending there is not captured."""
+    return (crash - 1) // WINDOW * WINDOW
+
+
+def _lose(root: Path, rank: int, crash: int, memory: bool, storage: bool) -> None:
+    """Remove ``rank``'s newest window from memory and/or storage."""
+    if memory:
+        (copy,) = (root / "shm").rglob(f"rank{rank}{MEMORY_SUFFIX}")
+        copy.unlink()
+    if storage:
+        (root / "ckpt" / window_object(rank, _newest_end(crash) // WINDOW - 1)).unlink()
 
 
 def _config(root: Path) -> CheckpointConfig:
@@ -74,19 +110,22 @@ def _fit(root: Path, devices: int, ep: int, callbacks: list[L.Callback], **kw: A
 
 
 def _runs(
-    rank: int, world_size: int, root: str, ep: int, crash: int, lose_newest: bool, precision: str
+    rank: int, world_size: int, root: str, ep: int, crash: int, fault: str, precision: str
 ) -> dict[str, Any]:
     """The uninterrupted run (its state at every window's end and at ``max_steps``); a run that crashes after step
-    ``crash`` on every rank (with ``lose_newest``, rank 1 lost its newest window: it was killed before writing
-    it); its resume in a new Trainer (the state as its first step begins, and at ``max_steps``)."""
+    ``crash`` on every rank, then ``fault`` (:data:`FAULTS`); its resume in a new Trainer (the state as its first
+    step begins, the windows in storage then, and the state at ``max_steps``)."""
     straight = Recorder(at=(*range(WINDOW, MAX_STEPS, WINDOW), MAX_STEPS), model=NOISY)
     _fit(Path(root) / "straight", world_size, ep, [straight], precision=precision)
     try:
         _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)], precision=precision)
     except Crash:
         pass
-    if lose_newest and rank == 1:
-        (Path(root) / "faulty" / "ckpt" / window_object(rank, crash // WINDOW - 1)).unlink()
+    faulty = Path(root) / "faulty"
+    if fault == "rank1_lost_its_newest_window" and rank == 1:
+        _lose(faulty, rank, crash, memory=True, storage=True)
+    if fault == "rank1_node_lost_rank0_write_lost":
+        _lose(faulty, rank, crash, memory=rank == 1, storage=rank == 0)
     torch.distributed.barrier()
     resumed = FirstStep(at=(MAX_STEPS,), model=NOISY)
     logger = CSVLogger(Path(root) / "faulty" / "logs", name="", version="")
@@ -96,6 +135,7 @@ def _runs(
         "report": asdict(moc.replay_report) if moc.replay_report is not None else None,
         "start_step": resumed.start_step,
         "start": resumed.start,
+        "stored": resumed.stored,
         "final": resumed.states[MAX_STEPS],
     }
 
@@ -107,25 +147,40 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "ep", "lose_newest", "precision"),
-    [(2, 1, False, "32-true"), (2, 2, False, "bf16-mixed"), (4, 2, True, "32-true")],
-    ids=["2_ranks_ddp", "2_ranks_ep2_bf16_mixed", "4_ranks_ep2_rank1_lost_its_newest_window"],
+    ("world_size", "ep", "fault", "precision"),
+    [
+        (2, 1, "crash", "32-true"),
+        (2, 2, "crash", "bf16-mixed"),
+        (4, 2, "rank1_lost_its_newest_window", "32-true"),
+        (2, 1, "rank1_node_lost_rank0_write_lost", "32-true"),
+    ],
+    ids=[
+        "2_ranks_ddp", "2_ranks_ep2_bf16_mixed", "4_ranks_ep2_rank1_lost_its_newest_window",
+        "2_ranks_rank1_node_lost_rank0_write_lost",
+    ],
 )
 def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
-    tmp_path: Path, world_size: int, ep: int, lose_newest: bool, precision: str
+    tmp_path: Path, world_size: int, ep: int, fault: str, precision: str
 ) -> None:
-    """``lose_newest``: the ranks agree on the window before the newest, the newest one rank 1 completed."""
-    crash = _crash_step(2 * WINDOW if lose_newest else WINDOW + 1)
+    """``rank1_lost_its_newest_window``: the ranks agree on the window before the newest. With rank 1's node lost
+    and rank 0's newest storage write lost, every rank still has the newest window (rank 0 in memory, rank 1 in
+    storage): they resume there, and rank 0 stores it before training."""
+    lose_newest = fault == "rank1_lost_its_newest_window"
+    crash = _crash_step(WINDOW + 1 if fault == "crash" else 2 * WINDOW)  # two windows before a lost one
+    print(f"{fault}: {FAULTS[fault]}")
     ranks = run_ranks(
-        _runs, world_size, tmp_path, str(tmp_path), ep, crash, lose_newest, precision, init_process_group=False
+        _runs, world_size, tmp_path, str(tmp_path), ep, crash, fault, precision, init_process_group=False
     )
 
-    resume_step = crash // WINDOW * WINDOW - (WINDOW if lose_newest else 0)
+    resume_step = _newest_end(crash) - (WINDOW if lose_newest else 0)
     for rank, run in enumerate(ranks):
         report = run["report"]
-        print(f"rank {rank}: {report}")
+        print(f"rank {rank}: {report}; in storage at the first new step: windows ending at {run['stored']}")
         assert report is not None and report["resume_step"] == resume_step == run["start_step"]
         assert report["replay_iterations"] == WINDOW - 1 and report["plt"] == 0.0
+        assert resume_step in run["stored"], f"rank {rank} has the resumed window in storage before training"
+        from_memory = fault == "crash" or (fault == "rank1_node_lost_rank0_write_lost" and rank == 0)
+        assert report["source"] == ("memory" if from_memory else "storage")
         assert _differing(run["start"], run["straight"][resume_step]) == [], f"rank {rank} after the replay"
         assert _differing(run["final"], run["straight"][MAX_STEPS]) == [], f"rank {rank} at max_steps"
     logged = (tmp_path / "faulty" / "logs" / "metrics.csv").read_text()

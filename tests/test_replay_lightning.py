@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.replay_driver import window_object
+from moc_lightning.window_store import window_object
 
 MAX_STEPS = 12
 WINDOW = 3

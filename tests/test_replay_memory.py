@@ -37,13 +37,14 @@ def test_replay_reports_the_window_memory_before_training_as_the_captures_copy_i
     moc = fit(tmp_path, _config(tmp_path, remove_snapshots_on_fit_end=False), 2 * WINDOW, [seen])
     memory = seen.memory
     assert memory is not None, "reported before the first step"
-    assert (memory.window, memory.windows_kept) == (WINDOW, 2)
+    assert (memory.window, memory.windows_kept, memory.shm_copies) == (WINDOW, 2, 2)
     copied = moc.capture.copied_bytes
     assert len(copied) == 2 * WINDOW
     assert copied[:WINDOW] == copied[WINDOW:], "every window copies the same"
     # before the first step Adam's state is estimated as two moments; the captures also copy its 4-byte steps
     assert list(memory.per_iteration) == pytest.approx(copied[:WINDOW], rel=1e-3)
-    assert memory.total == pytest.approx(2 * sum(copied[:WINDOW]), rel=1e-3)
+    assert memory.in_process == pytest.approx(2 * sum(copied[:WINDOW]), rel=1e-3)
+    assert memory.total == pytest.approx(4 * sum(copied[:WINDOW]), rel=1e-3), "2 windows captured, 2 copies in shm"
     out = capsys.readouterr().out
     assert f"replay window W={WINDOW}" in out and f"{memory.total / 1e6:.1f} MB" in out
     assert not list((tmp_path / "shm").rglob("data")), "replay mode reserves no PEC snapshot slots"
@@ -60,6 +61,6 @@ def test_replay_refuses_a_shared_memory_root_too_small_for_its_windows(
         fit(tmp_path, _config(tmp_path), 2 * WINDOW, [recorder])
     message = str(err.value)
     assert "checkpoint.shm_root=" in message and "has 1.0 MB free" in message
-    assert "replay windows need about" in message and f"2 windows x 1 ranks, W={WINDOW}" in message
-    assert "checkpoint.replay.window" in message
+    assert "replay windows need about" in message and "2 copies x 1 ranks x" in message
+    assert f"checkpoint.replay.window={WINDOW}" in message
     assert recorder.start_step is None, "refused before training started"
