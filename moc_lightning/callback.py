@@ -424,8 +424,7 @@ class MoCCheckpoint(Checkpoint):
         rank = self.engine.rank
         self._check_window_memory(layout, choice.window, rank, self._slot_root(rank).parent)
         self.capture = WindowCapture(choice.window)
-        for logger in trainer.loggers:
-            logger.log_metrics(choice.metrics(), step=trainer.global_step)
+        _log_now(trainer, choice.metrics())
         if self.engine.rank == 0:
             print(f"[moc_lightning] {choice.describe()}")
 
@@ -471,8 +470,7 @@ class MoCCheckpoint(Checkpoint):
                 "moc/persist_ms": report.seconds * 1000,
                 "moc/persist_bytes": float(report.bytes_written),
             }
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            _log_now(trainer, metrics)
         self._persists_logged = len(landed)
 
     def _final(self, trainer: L.Trainer) -> bool:
@@ -528,13 +526,14 @@ class MoCCheckpoint(Checkpoint):
         """Where the checkpoints are, what was taken, bytes against eq. 5/6, and the mean stall."""
         stats, pec = self.engine.stats, self.engine.pec
         stall = sum(stats.stall_seconds) / max(1, len(stats.stall_seconds)) * 1000
-        lines = [
-            f"[moc_lightning] checkpoints: {self.config.storage.url} (snapshots under {self.config.shm_root})",
-            f"[moc_lightning] {stats.snapshots} snapshots, {stats.persists} persists "
-            f"({stats.skipped_persists} skipped while one was in flight, {stats.failed_persists} failed), "
-            f"mean stall {stall:.2f} ms per snapshot",
-        ]
-        if self.windows is not None and (stalls := self.windows.stall_seconds):
+        lines = [f"[moc_lightning] checkpoints: {self.config.storage.url} (snapshots under {self.config.shm_root})"]
+        if self.windows is None:  # replay mode takes no PEC snapshot or persist
+            lines.append(
+                f"[moc_lightning] {stats.snapshots} snapshots, {stats.persists} persists "
+                f"({stats.skipped_persists} skipped while one was in flight, {stats.failed_persists} failed), "
+                f"mean stall {stall:.2f} ms per snapshot"
+            )
+        elif stalls := self.windows.stall_seconds:
             lines.append(
                 f"[moc_lightning] {len(stalls)} replay windows handed over to shared memory and storage; hand-over "
                 f"{sum(stalls) / len(stalls) * 1000:.2f} ms mean, {max(stalls) * 1000:.2f} ms at most on the training "
@@ -589,15 +588,20 @@ class MoCCheckpoint(Checkpoint):
         self._write_report({"mode": "replay", **dataclasses.asdict(report)})
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
-        metrics = {
+        _log_now(trainer, {
             "moc/replay_iterations": float(report.replay_iterations), "moc/replay_seconds": report.replay_seconds,
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        })
         if self.engine.rank == 0:
             print(f"[moc_lightning] replayed {report.replay_iterations} iterations of the window from step "
                   f"{report.window_start} ({report.source}) in {report.replay_seconds:.2f}s; every unit is at its "
                   f"fault-free state of step {report.resume_step} (PLT 0)")
+
+
+def _log_now(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Hand ``metrics`` straight to the loggers at the current step: they describe events (a persist landing, a
+    replay, a window choice) that happen outside ``training_step``, where ``self.log`` would not reach."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def check_shm_root(config: CheckpointConfig, pec: PECCheckpointer, node_root: Path) -> None:

@@ -45,7 +45,7 @@ from moc_lightning.models.moe import MoELayer
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, part_of, split_part_key
 from moc_lightning.pieces import as_dtensors, check_supported, gather_holders, unit_replicas
-from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, tensor_row_range, whole_rows
+from moc_lightning.planner import MoCSavePlanner, RowRange, owned_bytes, shard_rows, whole_rows
 from moc_lightning.replica_writes import replica_writes
 from moc_lightning.sealed import SealError, seal, unseal
 from moc_lightning.selection import Selection, UnsavedTokens, every_expert, make_policy
@@ -644,12 +644,8 @@ class PECCheckpointer:
         writes: dict[str, RowRange] = {}
         for unit, shard in ownership.writes_of(self.topology.rank):
             for key in by_unit.get(unit.key, ()):
-                tensor = state[key]
-                if tensor.dim() == 0:
-                    if shard.row_start == 0:
-                        writes[key] = (0, 1)
-                    continue
-                writes[key] = tensor_row_range(shard.row_start, shard.row_stop, unit.rows, tensor.shape[0])
+                if (rows := shard_rows(shard, unit.rows, state[key])) is not None:
+                    writes[key] = rows
         return writes
 
     def _piece_writes(self, state: Mapping[str, torch.Tensor]) -> dict[str, RowRange]:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.tensor import DTensor
 
 from moc_lightning.pieces import piece
+from moc_lightning.sharding import Shard
 
 RowRange = tuple[int, int]
 """Rows ``[start, stop)`` along dim 0 of a tensor."""
@@ -33,6 +34,14 @@ def tensor_row_range(unit_start: int, unit_stop: int, unit_rows: int, tensor_row
     proportionally keeps each tensor's pieces disjoint and covering, since adjacent shards share bounds.
     """
     return unit_start * tensor_rows // unit_rows, unit_stop * tensor_rows // unit_rows
+
+
+def shard_rows(shard: Shard, unit_rows: int, tensor: torch.Tensor) -> RowRange | None:
+    """The rows of ``tensor`` (one of a unit of ``unit_rows`` rows) that ``shard`` covers; a 0-d tensor (Adam's
+    ``step``) goes whole with the unit's first shard, ``None`` with the others."""
+    if tensor.dim() == 0:
+        return (0, 1) if shard.row_start == 0 else None
+    return tensor_row_range(shard.row_start, shard.row_stop, unit_rows, tensor.shape[0])
 
 
 def whole_rows(tensor: torch.Tensor) -> RowRange:

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moc_lightning.pieces import piece, replicas
-from moc_lightning.planner import RowRange, tensor_row_range, whole_rows
+from moc_lightning.planner import RowRange, shard_rows, whole_rows
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
 from moc_lightning.units import ExpertUnit, parse_unit
 
@@ -50,11 +50,8 @@ def _split(
     writes: dict[str, RowRange] = {}
     for unit, shard in ownership.writes_of(replica):
         for key, local in units[unit.key].items():
-            if local.dim() == 0:
-                if shard.row_start == 0:
-                    writes[key] = (0, 1)
-                continue
-            writes[key] = tensor_row_range(shard.row_start, shard.row_stop, unit.rows, local.shape[0])
+            if (rows := shard_rows(shard, unit.rows, local)) is not None:
+                writes[key] = rows
     return writes
 
 

@@ -71,8 +71,9 @@ def test_durations_parse() -> None:
         parse_duration("10x")
 
 
-def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
-    bench = {
+def _bench() -> dict:
+    """A bench result with the rows the projection reads (made-up figures)."""
+    return {
         "baseline_iter_ms": 500.0, "model": {"num_experts": 16}, "replay_window": 4,
         "methods": [
             {"name": "moc_full", "skipped": None, "stall_ms_mean": 40.0, "recover_seconds": 3.0},
@@ -81,6 +82,10 @@ def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
              "replay_seconds": 1.5},
         ],
     }  # fmt: skip
+
+
+def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
+    bench = _bench()
     costs = MeasuredCosts.from_bench(bench)
     assert (costs.iteration_seconds, costs.full_stall, costs.k1_stall) == (0.5, 0.04, 0.01)
     assert (costs.replay_stall_per_iteration, costs.replay_recover, costs.replay_seconds) == (0.005, 4.0, 1.5)
@@ -95,16 +100,7 @@ def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
 
 @pytest.mark.slow
 def test_recipe_prints_the_mtbf_table_from_a_bench(tmp_path: Path) -> None:
-    bench = {
-        "baseline_iter_ms": 500.0, "model": {"num_experts": 16}, "speed_of_light": {"copy_gbps": 7.0},
-        "replay_window": 4,
-        "methods": [
-            {"name": "moc_full", "skipped": None, "stall_ms_mean": 40.0, "recover_seconds": 3.0},
-            {"name": "moc_k1", "skipped": None, "stall_ms_mean": 10.0, "recover_seconds": 2.0},
-            {"name": "moc_replay", "skipped": None, "stall_ms_per_iteration": 5.0, "recover_seconds": 4.0,
-             "replay_seconds": 1.5},
-        ],
-    }  # fmt: skip
+    bench = _bench() | {"speed_of_light": {"copy_gbps": 7.0}}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     out = tmp_path / "projection.json"
     command = [sys.executable, str(ROOT / "recipes/projection.py"), "bench=bench.json", f"out={out}"]
