@@ -7,7 +7,9 @@ reused. The driver keeps :data:`WINDOWS_KEPT` windows so that the newest complet
 is captured, and :class:`~moc_lightning.window_store.WindowStore` holds up to :data:`SHM_COPIES` serialized
 copies in the node's shared memory (the newest, and the next one while it replaces it): those count against the
 shared-memory root. Serializing a window for its writes takes one more window-sized buffer for a while; that
-transient copy is not counted. Sizes come before the optimizer's first step, so a unit without
+transient copy is not counted. A resume deserializes one window only (the ranks agree on it from the copies'
+heads, :mod:`~moc_lightning.window_store`), and drops it after its replay, before the captures allocate theirs:
+within the windows counted in the process. Sizes come before the optimizer's first step, so a unit without
 optimizer state yet is counted with the state the step will create
 (:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments, without its per-parameter 4-byte
 ``step``), within a few bytes per parameter of what the captures copy.
