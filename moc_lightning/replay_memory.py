@@ -18,6 +18,7 @@ optimizer state yet is counted with the state the step will create
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moc_lightning.checkpointer import expected_state_bytes
@@ -45,9 +46,15 @@ def window_sizes(layout: Layout) -> dict[Unit, UnitBytes]:
 
 def window_plan(layout: Layout, window: int) -> tuple[dict[Unit, int], dict[Unit, UnitBytes]]:
     """The schedule (each unit's active offset) a window of ``window`` iterations follows, and the sizes it is
-    planned with: the same for the report before training and for the captures."""
+    planned with: the same for the report before training, the choice of W and the captures."""
     sizes = window_sizes(layout)
-    return window_schedule(layout.units, window, sizes), sizes
+    return window_schedule(list(sizes), window, sizes), sizes
+
+
+def copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> list[int]:
+    """Bytes each offset of a window of ``window`` iterations copies, under the schedule :func:`window_plan` plans
+    for units of ``sizes``."""
+    return offset_bytes(sizes, window_schedule(list(sizes), window, sizes), window)
 
 
 @dataclass(frozen=True)
@@ -96,5 +103,4 @@ class WindowMemory:
 
 def window_memory(layout: Layout, window: int) -> WindowMemory:
     """What replay mode with ``window`` iterations keeps in host memory for ``layout``'s units."""
-    schedule, sizes = window_plan(layout, window)
-    return WindowMemory(tuple(offset_bytes(sizes, schedule, window)), window)
+    return WindowMemory(tuple(copy_bytes(window_sizes(layout), window)), window)
