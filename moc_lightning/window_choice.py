@@ -13,9 +13,9 @@ start to batch end (forward, backward, optimizer step), the median of ``MEASURED
 the snapshot's speed of light) over the live state of the units, at most ``MEASURE_BYTES`` of it. No window is
 captured before W is chosen: a fault in those first iterations finds nothing newer to replay.
 
-The budget weighs the copy only. The write of each completed window to storage, synchronous every W iterations in
-this slice (:mod:`moc_lightning.replay_driver`), is not in it: it is to move to the background persist as PEC's
-snapshots go, off the training thread.
+The budget weighs the copy only. The writes of each completed window to shared memory and storage run off the
+training thread (:mod:`moc_lightning.window_store`); what the training thread waits for them at a hand-over (the
+previous window's writes, when slower than a window) is not in it.
 """
 
 from __future__ import annotations
