@@ -167,6 +167,7 @@ def _restore_with_rank1_storage_full(rank: int, world_size: int, root: str) -> d
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_a_re_store_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
     ranks = run_ranks(_restore_with_rank1_storage_full, 2, tmp_path, str(tmp_path), init_process_group=False)
     for rank, outcome in enumerate(ranks):
