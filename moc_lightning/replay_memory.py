@@ -7,7 +7,9 @@ reused. The driver keeps :data:`WINDOWS_KEPT` windows so that the newest complet
 is captured, and :class:`~moc_lightning.window_store.WindowStore` holds up to :data:`SHM_COPIES` serialized
 copies in the node's shared memory (the newest, and the next one while it replaces it): those count against the
 shared-memory root. Serializing a window for its writes takes one more window-sized buffer for a while; that
-transient copy is not counted. Sizes come before the optimizer's first step, so a unit without
+transient copy is not counted. A resume deserializes one window only (the ranks agree on it from the copies'
+heads, :mod:`~moc_lightning.window_store`), and drops it after its replay, before the captures allocate theirs:
+within the windows counted in the process. Sizes come before the optimizer's first step, so a unit without
 optimizer state yet is counted with the state the step will create
 (:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments, without its per-parameter 4-byte
 ``step``), within a few bytes per parameter of what the captures copy.
@@ -16,6 +18,7 @@ optimizer state yet is counted with the state the step will create
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moc_lightning.checkpointer import expected_state_bytes
@@ -43,9 +46,15 @@ def window_sizes(layout: Layout) -> dict[Unit, UnitBytes]:
 
 def window_plan(layout: Layout, window: int) -> tuple[dict[Unit, int], dict[Unit, UnitBytes]]:
     """The schedule (each unit's active offset) a window of ``window`` iterations follows, and the sizes it is
-    planned with: the same for the report before training and for the captures."""
+    planned with: the same for the report before training, the choice of W and the captures."""
     sizes = window_sizes(layout)
-    return window_schedule(layout.units, window, sizes), sizes
+    return window_schedule(list(sizes), window, sizes), sizes
+
+
+def copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> list[int]:
+    """Bytes each offset of a window of ``window`` iterations copies, under the schedule :func:`window_plan` plans
+    for units of ``sizes``."""
+    return offset_bytes(sizes, window_schedule(list(sizes), window, sizes), window)
 
 
 @dataclass(frozen=True)
@@ -94,5 +103,4 @@ class WindowMemory:
 
 def window_memory(layout: Layout, window: int) -> WindowMemory:
     """What replay mode with ``window`` iterations keeps in host memory for ``layout``'s units."""
-    schedule, sizes = window_plan(layout, window)
-    return WindowMemory(tuple(offset_bytes(sizes, schedule, window)), window)
+    return WindowMemory(tuple(copy_bytes(window_sizes(layout), window)), window)

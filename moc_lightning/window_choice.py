@@ -1,7 +1,7 @@
 """``checkpoint.replay.window=auto``: the replay window W from the measured copy bandwidth and iteration time.
 
 Every iteration replay mode copies the full state of the units active there and the weights of the units still
-frozen (:func:`~moc_lightning.replay.offset_bytes`). A larger W spreads the full states thinner, so the largest
+frozen (:func:`~moc_lightning.replay_memory.copy_bytes`, as the memory report sizes it). A larger W spreads the full states thinner, so the largest
 copy of an iteration falls, but a resume replays up to W-1 iterations, and the weights logged at the window's
 first offset are a floor no W goes below. So W is the smallest window whose largest per-iteration copy takes at
 most ``COPY_BUDGET`` of an iteration at the measured copy bandwidth; when no W from 1 to the number of units
@@ -13,9 +13,9 @@ start to batch end (forward, backward, optimizer step), the median of ``MEASURED
 the snapshot's speed of light) over the live state of the units, at most ``MEASURE_BYTES`` of it. No window is
 captured before W is chosen: a fault in those first iterations finds nothing newer to replay.
 
-The budget weighs the copy only. The write of each completed window to storage, synchronous every W iterations in
-this slice (:mod:`moc_lightning.replay_driver`), is not in it: it is to move to the background persist as PEC's
-snapshots go, off the training thread.
+The budget weighs the copy only. The writes of each completed window to shared memory and storage run off the
+training thread (:mod:`moc_lightning.window_store`); what the training thread waits for them at a hand-over (the
+previous window's writes, when slower than a window) is not in it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from moc_lightning.copy_speed import GB, copy_gbps
 from moc_lightning.layout import Layout, UnitBytes
-from moc_lightning.replay import offset_bytes, window_schedule
+from moc_lightning.replay_memory import copy_bytes, window_sizes
 from moc_lightning.units import Unit
 
 COPY_BUDGET = 0.05
@@ -47,7 +47,7 @@ a second full state in host memory for a large model."""
 
 def peak_copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> int:
     """The largest copy of one iteration of a window of ``window`` iterations over units of ``sizes``."""
-    return max(offset_bytes(sizes, window_schedule(list(sizes), window, sizes), window))
+    return max(copy_bytes(sizes, window))
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,9 @@ class WindowProbe:
         return len(self._seconds) >= WARMUP_ITERATIONS + MEASURED_ITERATIONS
 
     def choose(self, layout: Layout) -> WindowChoice:
-        """W for ``layout``'s units as they are now (their optimizer state exists after the first step)."""
-        sizes = {unit: layout.unit_bytes(unit) for unit in layout.units}
-        return choose_window(sizes, self._bandwidth(layout), statistics.median(self._seconds[WARMUP_ITERATIONS:]))
+        """W for ``layout``'s units, sized as the memory report and the captures size them
+        (:func:`~moc_lightning.replay_memory.window_sizes`)."""
+        return choose_window(window_sizes(layout), self._bandwidth(layout), statistics.median(self._seconds[WARMUP_ITERATIONS:]))
 
     @staticmethod
     def _bandwidth(layout: Layout) -> float:

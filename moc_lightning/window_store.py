@@ -8,6 +8,12 @@ to storage (:func:`window_object`). A crashed process on a healthy node resumes 
 its storage write had not landed; a lost node (its shared memory gone) resumes from storage. Either copy is whole
 or absent: a crash mid-write leaves at most a temporary file that nothing reads.
 
+Beside each copy lies its *head* (:class:`WindowHead`, a sealed JSON object): the lineage stamp, the window's
+steps, and the length and CRC32C of the copy's bytes. A copy is written as: remove the old head, replace the
+window, write the new head; so a head names the bytes beside it, or (a crash between the last two) is absent and
+the copy is not a candidate. The resume lists candidates from heads alone: a window is deserialized only once
+the ranks have agreed on it, so a resume holds one deserialized window, not one per candidate (up to four).
+
 What waits for what, and why:
 
 - At most one window is in flight: the next hand-over waits for the previous window's placement *and* its storage
@@ -21,12 +27,17 @@ What waits for what, and why:
   k over has surely landed k-1 and k-2 (k's object may still hold k-3), and a rank one window behind has surely
   landed k-2 and k-3: k-2 is in every rank's storage. With two objects a rank with fast storage can overwrite k-2
   with k while a slow one has not landed k-1: no window in common, a fresh start.
-- On resume (:meth:`WindowStore.restore`, collective) each rank lists its readable candidates of the lineage (its
-  copy in memory and its storage objects; a copy that cannot be read is skipped with one line, never raised on one
-  rank alone: the others would wait in the gather) and the ranks take the newest end step they all have
-  (:func:`agree`), from memory on a tie. A rank whose storage lacks the agreed window (it came from memory: its
-  write had not landed) writes it there before training, so the invariant above holds after a resume too;
-  otherwise its next windows would overwrite the two before it, and a node loss then could find none in common.
+- On resume (:meth:`WindowStore.restore`, collective) each rank lists its candidates of the lineage from their
+  heads (its copy in memory and its storage objects; a head that cannot be read is skipped with one line, never
+  raised on one rank alone: the others would wait in the gather), the ranks take the newest end step they all have
+  (:func:`agree`), from memory on a tie, and each rank loads its copy of that window, checked against its head. A
+  copy that fails to load (damaged after its head was written, or gone) is skipped with one line, and the ranks
+  agree again without it, until every rank has loaded the same window or they have none in common.
+- A rank whose storage lacks the agreed window (it came from memory: its write had not landed) writes it there
+  before training, so the invariant above holds after a resume too; otherwise its next windows would overwrite the
+  two before it, and a node loss then could find none in common. The outcome is collective: when the write fails
+  on any rank, every rank raises :class:`~moc_lightning.checkpointer.AgreedFailure` naming the rank, the object
+  and the cause (a rank raising alone would leave the others waiting in training's first collective).
 - An error of the background work (a full tmpfs, a failed storage write) is raised on the training thread at the
   next hand-over or at :meth:`WindowStore.flush` (fit end): a run whose windows do not reach storage could not
   recover from node loss.
@@ -34,24 +45,30 @@ What waits for what, and why:
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from moc_lightning.agreement import gather
 from moc_lightning.background import background_executor
+from moc_lightning.checkpointer import AgreedFailure
 from moc_lightning.lineage import Lineage
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
+from moc_lightning.sealed import checksum, seal, unseal
 from moc_lightning.storage import CheckpointStorage
+from moc_lightning.storage.objects import LocalObjects
 
 STORAGE_COPIES = 3
 """Storage objects per rank, alternating by window index (module docstring: why 3, not 2)."""
 
 MEMORY_SUFFIX = ".replay_window.pt"
 """A rank's window in shared memory is its snapshot slots' folder with this suffix."""
+
+HEAD_PREFIX = "replay_head."
+"""Names of the heads in storage begin so (not with :data:`WINDOW_PREFIX`: a head is no window)."""
 
 SOURCES = ("memory", "storage")
 """Where a window is found on resume, preferred in this order on a tie."""
@@ -62,23 +79,135 @@ def window_object(rank: int, index: int) -> str:
     return f"{WINDOW_PREFIX}rank{rank}.{index % STORAGE_COPIES}.pt"
 
 
+def head_object(rank: int, index: int) -> str:
+    """The head of :func:`window_object` ``(rank, index)``."""
+    return f"{HEAD_PREFIX}rank{rank}.{index % STORAGE_COPIES}.json"
+
+
 def memory_path(slot_root: Path) -> Path:
     """The rank's window in shared memory, beside its snapshot slots (a lost node loses both)."""
     return slot_root.with_name(slot_root.name + MEMORY_SUFFIX)
 
 
+def memory_head(memory: Path) -> Path:
+    """The head of the rank's window in shared memory."""
+    return memory.with_suffix(".head.json")
+
+
+class Objects(Protocol):
+    """Where copies of a window live: storage, or the rank's folder in shared memory."""
+
+    def put(self, name: str, data: bytes) -> None: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def delete(self, name: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class WindowHead:
+    """What identifies a copy of a window, read on resume without deserializing the window."""
+
+    lineage: dict[str, Any] | None
+    """The lineage stamp the window was written under."""
+    start_step: int
+    """The global step before the window's first iteration."""
+    window: int
+    """W, iterations of the window."""
+    length: int
+    """Bytes of the serialized window."""
+    crc: int
+    """CRC32C of the serialized window."""
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.window
+
+    @property
+    def index(self) -> int:
+        """The window's number (its first step over W), which names its storage objects."""
+        return self.start_step // self.window
+
+    @classmethod
+    def of(cls, log: WindowLog, lineage: Lineage | None, data: bytes) -> WindowHead:
+        """The head of ``log`` serialized as ``data``."""
+        stamp = lineage.stamp() if lineage is not None else None
+        return cls(stamp, log.start_step, log.record.window, len(data), checksum(data))
+
+    def to_bytes(self) -> bytes:
+        return seal(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> WindowHead:
+        """Parse and validate; raises ``ValueError`` naming the problem."""
+        raw = unseal(data)
+        fields = ("start_step", "window", "length", "crc")
+        if any(type(raw.get(name)) is not int or raw[name] < 0 for name in fields) or raw["window"] < 1:
+            raise ValueError(f"a window head needs integers {', '.join(fields)} >= 0 (window >= 1), got {raw!r:.120}")
+        return cls(raw.get("lineage"), *(raw[name] for name in fields))
+
+
+@dataclass(frozen=True)
+class Place:
+    """One copy of a window: its bytes are object ``name`` of ``objects``, its head object ``head``."""
+
+    source: str
+    """``memory`` or ``storage``."""
+    objects: Objects
+    name: str
+    head: str
+    where: str
+    """What a message names: the file in shared memory, the object in storage."""
+
+    def write(self, data: bytes, head: bytes) -> None:
+        """Replace the copy: the old head goes first, so a crash before the new head lands leaves no head that
+        names other bytes."""
+        self.objects.delete(self.head)
+        self.objects.put(self.name, data)
+        self.objects.put(self.head, head)
+
+    def read_head(self) -> WindowHead | None:
+        data = self.objects.get(self.head)
+        return None if data is None else WindowHead.from_bytes(data)
+
+    def load(self, head: WindowHead) -> tuple[WindowLog, bytes]:
+        """The window whose head is ``head``, and its bytes; raises ``ValueError`` when they do not match."""
+        data = self.objects.get(self.name)
+        if data is None:
+            raise ValueError("the window is missing beside its head")
+        if len(data) != head.length or checksum(data) != head.crc:
+            raise ValueError(f"{len(data)} bytes (CRC32C {checksum(data):08x}) do not match the head's "
+                             f"{head.length} bytes (CRC32C {head.crc:08x})")
+        log, _ = WindowLog.from_bytes(data)
+        if log.end_step != head.end_step:
+            raise ValueError(f"the window ends at step {log.end_step}, its head says {head.end_step}")
+        return log, data
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A readable window of the lineage that a rank could resume from."""
+    """A window of the lineage that a rank could resume from, known by its head."""
 
     end_step: int
     """The window's end (the step training resumes at)."""
     source: str
     """``memory`` or ``storage``."""
+    where: str
+    """The copy's file or object, for messages."""
+    head: WindowHead
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The window a resume replays."""
+
     log: WindowLog
-    data: bytes
-    """A copy in memory: its serialized bytes, written to storage as they are when the storage lacks it (empty for
-    a copy in storage, which is never re-stored: no second window-sized buffer per stored candidate)."""
+    source: str
+    """Where this rank's copy came from: ``memory`` or ``storage``."""
+
+    @property
+    def end_step(self) -> int:
+        return self.log.end_step
 
 
 def agree(ends: Sequence[Sequence[int]]) -> int | None:
@@ -121,45 +250,74 @@ class WindowStore:
         training, so nothing else is missing from storage."""
         self._wait()
 
-    def restore(self, lineage: Lineage) -> Candidate | None:
-        """This rank's copy of the newest window every rank has in ``lineage``'s current timeline, written to
-        storage first where only memory held it; ``None`` when the ranks have none in common (collective)."""
-        mine = self.candidates(lineage)
-        end_step = agree(gather(sorted({c.end_step for c in mine})))
-        if end_step is None:
-            return None
-        chosen, restore = pick(mine, end_step)
-        if restore:
-            self.storage.put(window_object(self.rank, chosen.log.start_step // chosen.log.record.window), chosen.data)
-        return chosen
+    def restore(self, lineage: Lineage) -> Restored | None:
+        """This rank's copy of the newest window every rank has and could load in ``lineage``'s current timeline,
+        written to storage first where only memory held it; ``None`` when the ranks have none in common
+        (collective: every rank takes the same path, raises included)."""
+        candidates = self.candidates(lineage)
+        loaded: tuple[Candidate, WindowLog, bytes] | None = None
+        while True:
+            end_step = agree(gather(sorted({c.end_step for c in candidates})))
+            if end_step is None:
+                return None
+            chosen, restore = pick(candidates, end_step)
+            if loaded is None or loaded[0] != chosen:
+                loaded = None  # the previous window's memory goes before the next is read
+                try:
+                    loaded = (chosen, *self._place(chosen.source, chosen.head.index).load(chosen.head))
+                except Exception as err:  # the ranks agree again without it, below
+                    self._skip(chosen.source, chosen.where, err)
+            if all(gather(loaded is not None)):
+                break
+            if loaded is None:
+                candidates.remove(chosen)
+        _, log, data = loaded
+        self._agree_on_restore(data if restore else None, chosen.head)
+        return Restored(log, chosen.source)
 
     def candidates(self, lineage: Lineage) -> list[Candidate]:
-        """This rank's readable windows of ``lineage``'s current timeline, in memory and in storage."""
-        reads = [("memory", str(self.memory), self._read_memory)]
-        reads += [
-            ("storage", name, lambda name=name: self.storage.get(name))
-            for name in (window_object(self.rank, index) for index in range(STORAGE_COPIES))
-        ]
+        """This rank's windows of ``lineage``'s current timeline, in memory and in storage, from their heads."""
+        places = [self._place("memory")] + [self._place("storage", index) for index in range(STORAGE_COPIES)]
         found = []
-        for source, where, read in reads:
+        for place in places:
             try:
-                data = read()
-                if data is None:
-                    continue
-                log, stamp = WindowLog.from_bytes(data)
+                head = place.read_head()
             except Exception as err:  # one rank raising alone would leave the others waiting in the gather
-                print(f"[moc_lightning] rank {self.rank}: skipping the replay window in {source} ({where}), "
-                      f"unreadable: {type(err).__name__}: {err}")
+                self._skip(place.source, place.where, err)
                 continue
-            if lineage.admits(stamp, log.end_step):
-                found.append(Candidate(log.end_step, source, log, data if source == "memory" else b""))
+            if head is not None and lineage.admits(head.lineage, head.end_step):
+                found.append(Candidate(head.end_step, place.source, place.where, head))
         return found
 
-    def _read_memory(self) -> bytes | None:
-        try:
-            return self.memory.read_bytes()
-        except FileNotFoundError:
-            return None
+    def _place(self, source: str, index: int = 0) -> Place:
+        """Where the copy in ``source`` of window number ``index`` lives (memory holds one, whatever its index)."""
+        if source == "memory":
+            head = memory_head(self.memory)
+            return Place(source, LocalObjects(self.memory.parent), self.memory.name, head.name, str(self.memory))
+        name = window_object(self.rank, index)
+        return Place(source, self.storage, name, head_object(self.rank, index), name)
+
+    def _skip(self, source: str, where: str, err: Exception) -> None:
+        print(f"[moc_lightning] rank {self.rank}: skipping the replay window in {source} ({where}), "
+              f"unreadable: {type(err).__name__}: {err}")
+
+    def _agree_on_restore(self, data: bytes | None, head: WindowHead) -> None:
+        """Write ``data`` (the resumed window, when only memory held it) to storage; if that fails on any rank,
+        every rank raises :class:`AgreedFailure` (collective, run on every rank whatever happened)."""
+        failure = None
+        if data is not None:
+            place = self._place("storage", head.index)
+            try:
+                place.write(data, head.to_bytes())
+            except Exception as err:  # shared with every rank below, raised everywhere
+                failure = f"{place.name} in {self.storage.url}: {type(err).__name__}: {err}"
+        failures = {rank: text for rank, text in enumerate(gather(failure)) if text is not None}
+        if failures:
+            raise AgreedFailure(
+                "re-storing the resumed replay window (only shared memory held it)", failures,
+                "training does not start: storage must hold the window before new ones overwrite older ones, "
+                "or a node loss could find no window every rank has",
+            )
 
     def _wait(self) -> None:
         if self._job is not None:
@@ -167,15 +325,9 @@ class WindowStore:
             job.result()
 
     def _place_and_store(self, log: WindowLog, lineage: Lineage | None) -> None:
-        """Serialise ``log`` into shared memory, replacing the previous window atomically, then write the same
-        bytes to storage."""
-        self.memory.parent.mkdir(parents=True, exist_ok=True)
+        """Serialise ``log`` into shared memory, replacing the previous window, then write the same bytes to
+        storage; each with its head."""
         data = log.to_bytes(lineage)
-        tmp = self.memory.with_name(f".{self.memory.name}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, self.memory)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self.storage.put(window_object(self.rank, log.start_step // log.record.window), data)
+        head = WindowHead.of(log, lineage, data).to_bytes()
+        self._place("memory").write(data, head)
+        self._place("storage", log.start_step // log.record.window).write(data, head)

@@ -26,7 +26,7 @@ from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.replay_driver import WindowLog
 from moc_lightning.storage import make_storage
-from moc_lightning.window_store import MEMORY_SUFFIX, STORAGE_COPIES, window_object
+from moc_lightning.window_store import MEMORY_SUFFIX, STORAGE_COPIES, head_object, memory_head, window_object
 
 MAX_STEPS = 10
 WINDOW = 3
@@ -89,12 +89,15 @@ def _newest_end(crash: int) -> int:
 
 
 def _lose(root: Path, rank: int, crash: int, memory: bool, storage: bool) -> None:
-    """Remove ``rank``'s newest window from memory and/or storage."""
+    """Remove ``rank``'s newest window, with its head, from memory and/or storage."""
     if memory:
         (copy,) = (root / "shm").rglob(f"rank{rank}{MEMORY_SUFFIX}")
         copy.unlink()
+        memory_head(copy).unlink()
     if storage:
-        (root / "ckpt" / window_object(rank, _newest_end(crash) // WINDOW - 1)).unlink()
+        index = _newest_end(crash) // WINDOW - 1
+        for name in (window_object(rank, index), head_object(rank, index)):
+            (root / "ckpt" / name).unlink()
 
 
 def _config(root: Path) -> CheckpointConfig:

@@ -1,21 +1,34 @@
-"""The ranks' agreement on a replay window to resume from (:mod:`moc_lightning.window_store`) as pure functions:
+"""The ranks' agreement on a replay window to resume from (:mod:`moc_lightning.window_store`): as pure functions
 the newest window every rank has, memory's copy on a tie, a re-store where only memory holds it, and why each rank
-keeps three storage objects (with two, a fast and a slow storage can leave no window in common)."""
+keeps three storage objects (with two, a fast and a slow storage can leave no window in common); on real windows,
+that a resume deserializes one window only, and that a re-store failing on one rank fails on every rank."""
 
 from __future__ import annotations
 
+import errno
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from storage_faults import FaultyStorage
 
-from moc_lightning.window_store import STORAGE_COPIES, Candidate, agree, pick, window_object
+from moc_lightning.lineage import Lineage
+from moc_lightning.replay import WindowRecord
+from moc_lightning.replay_driver import WindowLog
+from moc_lightning.storage import make_storage
+from moc_lightning.units import dense
+from moc_lightning.window_store import STORAGE_COPIES, Candidate, WindowStore, agree, pick, window_object
 
 W = 3
 
 
 def _candidate(window: int, source: str) -> Candidate:
-    log: Any = None  # pick reads the end step and the source only
-    return Candidate((window + 1) * W, source, log, b"")
+    head: Any = None  # pick reads the end step and the source only
+    return Candidate((window + 1) * W, source, f"{source} {window}", head)
 
 
 def _landed(windows: range, copies: int) -> set[int]:
@@ -61,3 +74,105 @@ def test_memory_is_preferred_on_a_tie_and_a_window_only_in_memory_is_re_stored()
     assert (chosen.source, restore) == ("memory", True), "its storage write had not landed"
     chosen, restore = pick(only_memory, 6)
     assert (chosen.end_step, chosen.source, restore) == (6, "storage", False)
+
+
+LINEAGE = Lineage("run-14", "fingerprint")
+
+
+def _log(window: int) -> WindowLog:
+    """Window number ``window`` of a one-unit model: a few logged weights per offset."""
+    record = WindowRecord({dense("head"): 0}, W)
+    record.logged = [{"head.weight": torch.full((64,), float(window * W + t))} for t in range(W)]
+    return WindowLog(record, start_step=window * W)
+
+
+def _store(root: Path, rank: int = 0, storage: Any = None) -> WindowStore:
+    storage = storage or make_storage("filesystem", (root / "ckpt").as_uri())
+    return WindowStore(storage, root / "shm" / f"rank{rank}.replay_window.pt", rank)
+
+
+def _hand_over(store: WindowStore, windows: range) -> None:
+    for window in windows:
+        store.hand_over(_log(window), LINEAGE)
+    store.flush()
+
+
+class CountedLoads:
+    """Counts the windows deserialized (:meth:`WindowLog.from_bytes`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.loads = 0
+        load = WindowLog.from_bytes
+
+        def counted(data: bytes) -> Any:
+            self.loads += 1
+            return load(data)
+
+        monkeypatch.setattr(WindowLog, "from_bytes", staticmethod(counted))
+
+
+def test_a_resume_among_several_candidates_deserializes_one_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory holds window 3, storage windows 1 to 3: the listing reads what identifies each, and only the chosen
+    window (memory's copy of window 3) is deserialized."""
+    _hand_over(_store(tmp_path), range(4))
+    counted = CountedLoads(monkeypatch)
+    store = _store(tmp_path)
+    candidates = store.candidates(LINEAGE)
+    print(f"candidates: {[(c.end_step, c.source) for c in candidates]}")
+    assert sorted((c.end_step, c.source) for c in candidates) == [
+        (2 * W, "storage"), (3 * W, "storage"), (4 * W, "memory"), (4 * W, "storage")
+    ]
+    found = store.restore(LINEAGE)
+    assert found is not None and (found.end_step, found.source) == (4 * W, "memory")
+    assert found.log.end_step == 4 * W and torch.equal(found.log.record.logged[0]["head.weight"], torch.full((64,), 9.0))
+    assert counted.loads == 1
+
+
+def test_a_damaged_window_behind_a_valid_header_is_skipped_with_a_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The copy in memory is damaged after its header was written: the load of it fails its checksum, it is
+    skipped with one line, and the resume takes storage's copy of the same window."""
+    _hand_over(_store(tmp_path), range(2))
+    memory = tmp_path / "shm" / "rank0.replay_window.pt"
+    data = bytearray(memory.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    memory.write_bytes(bytes(data))
+    counted = CountedLoads(monkeypatch)
+    found = _store(tmp_path).restore(LINEAGE)
+    out = capsys.readouterr().out
+    print(out)
+    assert found is not None and (found.end_step, found.source) == (2 * W, "storage")
+    assert "skipping the replay window in memory" in out and "unreadable" in out
+    assert counted.loads == 1, "the damaged copy failed its checksum before it was deserialized"
+
+
+def _restore_with_rank1_storage_full(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Both ranks hold window 1 in memory only (its storage write never landed); rank 1's storage is full, so its
+    re-store fails. Returns what each rank raised."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    _hand_over(_store(Path(root), rank), range(2))
+    for lost in (Path(root) / "ckpt").glob(f"*rank{rank}.1.*"):
+        lost.unlink()
+    storage = make_storage("filesystem", (Path(root) / "ckpt").as_uri())
+    if rank == 1:
+        storage = FaultyStorage(storage, fail_puts={1: errno.ENOSPC})
+    try:
+        _store(Path(root), rank, storage).restore(LINEAGE)
+    except Exception as err:  # what the test checks, on every rank
+        return {"error": f"{type(err).__name__}: {err}"}
+    dist.barrier()  # the next collective of training: a rank that raised alone would leave this one waiting
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_a_re_store_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    ranks = run_ranks(_restore_with_rank1_storage_full, 2, tmp_path, str(tmp_path), init_process_group=False)
+    for rank, outcome in enumerate(ranks):
+        print(f"rank {rank}: {outcome['error']}")
+        error = outcome["error"]
+        assert error is not None, f"rank {rank} went on to train"
+        assert "rank 1" in error and window_object(1, 1) in error and "No space left on device" in error
+    assert ranks[0]["error"] == ranks[1]["error"]
