@@ -38,6 +38,7 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -198,6 +199,9 @@ class Replay:
             raise ValueError(f"the window's units differ from the layout's: {[u.key for u in differ[:5]]}")
         self.record = record
         self.layout = layout
+        self.restore_seconds = 0.0
+        """Time spent putting units' full states in place so far: part of a recovery's restore, not of its replay
+        (issue 14 item 7 bounds the restore by the copy's speed of light and reports the replay apart)."""
         self._owners: dict[str, list[Unit]] = {}
         for unit, slots in layout.slots.items():
             for slot in slots:
@@ -230,8 +234,10 @@ class Replay:
         return [u for u, tu in self.record.schedule.items() if tu == t]
 
     def _restore(self, units: Iterable[Unit]) -> None:
+        start = time.perf_counter()
         for unit in units:
             restore_unit(self.layout, unit, self.record.full[unit])
+        self.restore_seconds += time.perf_counter() - start
 
 
 def replay(record: WindowRecord, layout: Layout, step_fn: Callable[[int], None]) -> int:

@@ -230,7 +230,15 @@ class ReplayReport:
     replay_iterations: int
     """Iterations recomputed through ``training_step`` (W-1: the first one's state is restored directly)."""
     replay_seconds: float
-    """Wall time of the replay."""
+    """Wall time of the replay's recomputation: the replayed iterations, without putting the restored units' full
+    states in place (that is :attr:`restore_seconds`)."""
+    restored_bytes: int
+    """Size of the window read from :attr:`source` (serialized: its tensors, batches, RNG and trainer state)."""
+    restore_seconds: float
+    """Reading the window from :attr:`source` and deserializing it, plus putting every unit's full state in place
+    (:attr:`Replay.restore_seconds`); issue 14 item 7 bounds this by the speed of light of a copy (memory) or a
+    read (storage) of :attr:`restored_bytes`. Reading the rank's other copies, to agree on the window, is not in
+    it."""
     plt: float = 0.0
     """Proportion of lost tokens: none, every unit is back at its fault-free state after the window."""
     source: str = "storage"
@@ -238,10 +246,13 @@ class ReplayReport:
 
 
 def replay_window(
-    trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog, source: str
+    trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog, source: str,
+    restored_bytes: int, read_seconds: float,
 ) -> ReplayReport:
     """Bring ``layout``'s model and optimizer to their state after ``log``'s window, by replaying it (module
-    docstring); the LR schedulers and the optimizer's hyperparameters end where the window left them."""
+    docstring); the LR schedulers and the optimizer's hyperparameters end where the window left them.
+    ``restored_bytes`` and ``read_seconds``: how big the window read from ``source`` was and how long reading it
+    took, for the report's restore figures."""
     optimizer = trainer.optimizers[0]
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
     for group, saved in zip(optimizer.param_groups, log.param_groups):
@@ -270,7 +281,11 @@ def replay_window(
             for scheduler in schedulers:
                 scheduler.step()
         run.finish()
-    return ReplayReport(log.start_step, log.end_step, len(run.iterations), time.perf_counter() - start, source=source)
+    seconds = time.perf_counter() - start
+    return ReplayReport(
+        log.start_step, log.end_step, len(run.iterations), seconds - run.restore_seconds, restored_bytes,
+        read_seconds + run.restore_seconds, source=source,
+    )
 
 
 @contextlib.contextmanager

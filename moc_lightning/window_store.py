@@ -79,6 +79,10 @@ class Candidate:
     data: bytes
     """A copy in memory: its serialized bytes, written to storage as they are when the storage lacks it (empty for
     a copy in storage, which is never re-stored: no second window-sized buffer per stored candidate)."""
+    nbytes: int = 0
+    """Size of the serialized window read (the copy in memory or the storage object)."""
+    read_seconds: float = 0.0
+    """Time reading it and turning it back into tensors took: the first part of a restore from it."""
 
 
 def agree(ends: Sequence[Sequence[int]]) -> int | None:
@@ -143,16 +147,19 @@ class WindowStore:
         found = []
         for source, where, read in reads:
             try:
+                start = time.perf_counter()
                 data = read()
                 if data is None:
                     continue
                 log, stamp = WindowLog.from_bytes(data)
+                seconds = time.perf_counter() - start
             except Exception as err:  # one rank raising alone would leave the others waiting in the gather
                 print(f"[moc_lightning] rank {self.rank}: skipping the replay window in {source} ({where}), "
                       f"unreadable: {type(err).__name__}: {err}")
                 continue
             if lineage.admits(stamp, log.end_step):
-                found.append(Candidate(log.end_step, source, log, data if source == "memory" else b""))
+                kept = data if source == "memory" else b""
+                found.append(Candidate(log.end_step, source, log, kept, len(data), seconds))
         return found
 
     def _read_memory(self) -> bytes | None:
