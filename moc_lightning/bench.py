@@ -603,7 +603,7 @@ class ReplayMethod(MoCMethod):
         return [s for _, s in self.probe.persist]
 
     def recover(self, cfg: BenchConfig, row: Row, base: Baseline) -> None:
-        """Two recoveries, each with its restore (reading the window, putting the units' full states in place) apart
+        """Two recoveries, each with its restore (opening the window, copying its tensors into the live ones) apart
         from its replay, against the speed of light of moving the restored bytes (issue 14 item 7): a crashed
         process on a healthy node (the window from shared memory, against ``copy_gbps``), then a lost node (its
         shared-memory copy removed: the window from storage, against a sequential read of a file of the restored

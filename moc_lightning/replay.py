@@ -200,8 +200,9 @@ class Replay:
         self.record = record
         self.layout = layout
         self.restore_seconds = 0.0
-        """Time spent putting units' full states in place so far: part of a recovery's restore, not of its replay
-        (issue 14 item 7 bounds the restore by the copy's speed of light and reports the replay apart)."""
+        """Time spent so far copying the window's tensors into the live ones (units' full states, and the logged
+        weights the frozen units compute with): a recovery's restore, every byte of the window's tensors copied once,
+        apart from the replay's computation (issue 14 item 7 bounds the restore by a copy's speed of light)."""
         self._owners: dict[str, list[Unit]] = {}
         for unit, slots in layout.slots.items():
             for slot in slots:
@@ -216,7 +217,9 @@ class Replay:
     def before_forward(self, i: int) -> None:
         """Restore the units active at i-1, give the frozen ones the weights iteration i read, clear gradients."""
         self._restore(self._active(i - 1))
+        start = time.perf_counter()
         self.layout.copy_in(self.record.logged[i - 1])
+        self.restore_seconds += time.perf_counter() - start
         self.layout.optimizer.zero_grad(set_to_none=True)
 
     def before_optimizer_step(self, i: int) -> None:

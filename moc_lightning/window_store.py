@@ -22,11 +22,12 @@ What waits for what, and why:
   landed k-2 and k-3: k-2 is in every rank's storage. With two objects a rank with fast storage can overwrite k-2
   with k while a slow one has not landed k-1: no window in common, a fresh start.
 - On resume (:meth:`WindowStore.restore`, collective) each rank lists its readable candidates of the lineage (its
-  copy in memory and its storage objects; a copy that cannot be read is skipped with one line, never raised on one
-  rank alone: the others would wait in the gather) and the ranks take the newest end step they all have
-  (:func:`agree`), from memory on a tie. A rank whose storage lacks the agreed window (it came from memory: its
-  write had not landed) writes it there before training, so the invariant above holds after a resume too;
-  otherwise its next windows would overwrite the two before it, and a node loss then could find none in common.
+  copy in memory and its storage objects, mapped where they are local files; a copy that cannot be read is skipped
+  with one line, never raised on one rank alone: the others would wait in the gather) and the ranks take the newest
+  end step they all have (:func:`agree`), from memory on a tie. A rank whose storage lacks the agreed window (it
+  came from memory: its write had not landed) writes it there before training, so the invariant above holds after a
+  resume too; otherwise its next windows would overwrite the two before it, and a node loss then could find none in
+  common.
 - An error of the background work (a full tmpfs, a failed storage write) is raised on the training thread at the
   next hand-over or at :meth:`WindowStore.flush` (fit end): a run whose windows do not reach storage could not
   recover from node loss.
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moc_lightning.agreement import gather
 from moc_lightning.background import background_executor
@@ -76,13 +78,11 @@ class Candidate:
     source: str
     """``memory`` or ``storage``."""
     log: WindowLog
-    data: bytes
-    """A copy in memory: its serialized bytes, written to storage as they are when the storage lacks it (empty for
-    a copy in storage, which is never re-stored: no second window-sized buffer per stored candidate)."""
-    nbytes: int = 0
-    """Size of the serialized window read (the copy in memory or the storage object)."""
-    read_seconds: float = 0.0
-    """Time reading it and turning it back into tensors took: the first part of a restore from it."""
+    nbytes: int
+    """Size of the serialized window (the copy in memory or the storage object)."""
+    read_seconds: float
+    """Time opening it took (mapping a local file, or reading a remote object whole, and unpickling it): the first
+    part of a restore from it."""
 
 
 def agree(ends: Sequence[Sequence[int]]) -> int | None:
@@ -97,6 +97,15 @@ def pick(candidates: Sequence[Candidate], end_step: int) -> tuple[Candidate, boo
     found = [c for c in candidates if c.end_step == end_step]
     chosen = min(found, key=lambda c: SOURCES.index(c.source))
     return chosen, all(c.source != "storage" for c in found)
+
+
+def _map(path: Path) -> tuple[WindowLog, dict[str, Any] | None, int] | None:
+    """The window in file ``path``, mapped, its lineage stamp and its size; ``None`` when there is no such file."""
+    try:
+        nbytes = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    return *WindowLog.from_file(path), nbytes
 
 
 class WindowStore:
@@ -133,40 +142,48 @@ class WindowStore:
         if end_step is None:
             return None
         chosen, restore = pick(mine, end_step)
-        if restore:
-            self.storage.put(window_object(self.rank, chosen.log.start_step // chosen.log.record.window), chosen.data)
+        if restore:  # the copy in memory, as it is (nothing writes it while the ranks resume)
+            self.storage.put(
+                window_object(self.rank, chosen.log.start_step // chosen.log.record.window), self.memory.read_bytes()
+            )
         return chosen
 
     def candidates(self, lineage: Lineage) -> list[Candidate]:
-        """This rank's readable windows of ``lineage``'s current timeline, in memory and in storage."""
-        reads = [("memory", str(self.memory), self._read_memory)]
+        """This rank's readable windows of ``lineage``'s current timeline, in memory and in storage.
+
+        A copy that is a local file (the one in memory; a storage object under a local root) is mapped, not read
+        (:meth:`WindowLog.from_file`): its tensors are views of the file's pages until the restore copies them into
+        the live ones, so a restore reads and copies its bytes once, with no fresh allocation, and looking at a copy
+        that is not chosen costs little. An object of a remote storage is read whole (:meth:`CheckpointStorage.get`).
+        """
+        reads = [("memory", str(self.memory), lambda: _map(self.memory))]
         reads += [
-            ("storage", name, lambda name=name: self.storage.get(name))
+            ("storage", name, lambda name=name: self._read_storage(name))
             for name in (window_object(self.rank, index) for index in range(STORAGE_COPIES))
         ]
         found = []
         for source, where, read in reads:
             try:
                 start = time.perf_counter()
-                data = read()
-                if data is None:
+                read_back = read()
+                if read_back is None:
                     continue
-                log, stamp = WindowLog.from_bytes(data)
+                log, stamp, nbytes = read_back
                 seconds = time.perf_counter() - start
             except Exception as err:  # one rank raising alone would leave the others waiting in the gather
                 print(f"[moc_lightning] rank {self.rank}: skipping the replay window in {source} ({where}), "
                       f"unreadable: {type(err).__name__}: {err}")
                 continue
             if lineage.admits(stamp, log.end_step):
-                kept = data if source == "memory" else b""
-                found.append(Candidate(log.end_step, source, log, kept, len(data), seconds))
+                found.append(Candidate(log.end_step, source, log, nbytes, seconds))
         return found
 
-    def _read_memory(self) -> bytes | None:
-        try:
-            return self.memory.read_bytes()
-        except FileNotFoundError:
-            return None
+    def _read_storage(self, name: str) -> tuple[WindowLog, dict[str, Any] | None, int] | None:
+        path = self.storage.local_file(name)
+        if path is not None:
+            return _map(path)
+        data = self.storage.get(name)
+        return None if data is None else (*WindowLog.from_bytes(data), len(data))
 
     def _wait(self) -> None:
         if self._job is not None:

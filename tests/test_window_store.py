@@ -15,7 +15,7 @@ W = 3
 
 def _candidate(window: int, source: str) -> Candidate:
     log: Any = None  # pick reads the end step and the source only
-    return Candidate((window + 1) * W, source, log, b"")
+    return Candidate((window + 1) * W, source, log, 0, 0.0)
 
 
 def _landed(windows: range, copies: int) -> set[int]:
