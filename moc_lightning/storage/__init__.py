@@ -24,7 +24,7 @@ from moc_lightning.storage.tensorstore import TensorStoreStorage
 
 
 class CheckpointStorage(Protocol):
-    """The three control-object operations MoC needs from a storage backend, plus the DCP writer/reader pair."""
+    """The control-object operations MoC needs from a storage backend, plus the DCP writer/reader pair."""
 
     url: str
     """Root location, e.g. ``file:///scratch/run/ckpt``."""
