@@ -1,4 +1,5 @@
-"""The speed of light of a restore from storage: sequential read bandwidth of the checkpoint storage's directory.
+"""The speed of light of a restore from storage: sequential read bandwidth of the checkpoint storage's directory,
+and the read a restore from a local storage object does (:func:`read_through`).
 
 The page cache decides what such a read measures. A file just written sits in it, and a read it serves measures
 memory, not storage. Without root the whole cache cannot be dropped (``/proc/sys/vm/drop_caches``), but a file's
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 
 GB = 1e9
+CHUNK = 64 << 20
+"""Bytes per read call."""
 
 
 def evict(path: Path) -> None:
@@ -32,7 +35,20 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-def read_gbps(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
+def read_through(path: Path, chunk: int = CHUNK) -> int:
+    """Read ``path`` sequentially into one reused buffer, leaving its pages in the page cache; returns the bytes read.
+
+    A restore from a mapped file reads it so first: one large read at a time, as the bound :func:`read_gbps` does,
+    rather than a page fault per page while its tensors are copied out."""
+    read = 0
+    with path.open("rb", buffering=0) as f:
+        buffer = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))
+        while n := f.readinto(buffer):
+            read += n
+    return read
+
+
+def read_gbps(path: Path, nbytes: int, chunk: int = CHUNK) -> float:
     """Sequential read bandwidth of a fresh ``nbytes`` file at ``path`` (written, flushed and evicted first, then
     read into one reused buffer; removed afterwards): the bound of reading a checkpoint of that size back."""
     if nbytes < 1:
@@ -45,13 +61,9 @@ def read_gbps(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
             while remaining > 0:
                 remaining -= f.write(block[: min(remaining, len(block))])
         evict(path)
-        buffer = bytearray(len(block))
-        with path.open("rb", buffering=0) as f:
-            start = time.perf_counter()
-            read = 0
-            while n := f.readinto(buffer):
-                read += n
-            seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        read = read_through(path, len(block))
+        seconds = time.perf_counter() - start
     finally:
         path.unlink(missing_ok=True)
     return read / seconds / GB

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moc_lightning.read_speed import evict, read_gbps
+from moc_lightning.read_speed import evict, read_gbps, read_through
 
 
 def test_the_read_bound_reads_a_fresh_file_of_the_size_and_removes_it(tmp_path: Path) -> None:
@@ -24,3 +24,9 @@ def test_evicting_a_file_from_the_page_cache_keeps_its_bytes(tmp_path: Path) -> 
     path.write_bytes(bytes(range(256)) * 1000)
     evict(path)
     assert path.read_bytes() == bytes(range(256)) * 1000
+
+
+def test_reading_a_file_through_reads_every_byte_in_chunks(tmp_path: Path) -> None:
+    path = tmp_path / "window.pt"
+    path.write_bytes(b"x" * 2_500_001)
+    assert read_through(path, chunk=1 << 20) == 2_500_001
