@@ -56,10 +56,11 @@ from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_dat
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay_driver import WINDOW_PREFIX
+from moc_lightning.read_speed import evict, read_gbps
+from moc_lightning.replay_driver import WINDOW_PREFIX, ReplayReport
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
-from moc_lightning.window_store import STORAGE_COPIES, window_object
+from moc_lightning.window_store import STORAGE_COPIES, memory_head, window_object
 
 try:
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
@@ -109,6 +110,9 @@ BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
 """``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (``hsdp`` is not benched yet)."""
 SETUP = "every method trains the same model from one seed on the same batches"
 K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
+RESTORE_BOUND = 2.0
+"""Issue 14 item 7: a replay recovery's restore (replay excluded) takes at most this many times the time of moving
+the restored bytes at the speed of light: a copy from shared memory, a read from storage."""
 RECOVER_MEASURED = (
     "in process: seconds from building a fresh module and Trainer to the start of the first training step "
     "after restoring the method's newest checkpoint (files on disk; MoC also its snapshot slots)"
@@ -269,6 +273,15 @@ class Row:
     persist_pct_of_light: float | None = None
     recover_seconds: float | None = None
     replay_seconds: float | None = None
+    restore_memory_seconds: float | None = None
+    restore_memory_bytes: int | None = None
+    restore_memory_light_ratio: float | None = None
+    read_gbps: float | None = None
+    recover_storage_seconds: float | None = None
+    replay_storage_seconds: float | None = None
+    restore_storage_seconds: float | None = None
+    restore_storage_bytes: int | None = None
+    restore_storage_light_ratio: float | None = None
     notes: str = ""
 
 
@@ -340,9 +353,9 @@ class Method(abc.ABC):
         """Duration of each write to storage."""
         return [s for _, s in self.probe.persist]
 
-    def replay_seconds(self) -> float | None:
-        """Seconds the recovery spent replaying, for a method that replays (included in its recovery time)."""
-        return None
+    def recover(self, cfg: BenchConfig, row: Row, base: Baseline) -> None:
+        """Resume a fresh run from the newest checkpoint and fill ``row``'s recovery figures."""
+        row.recover_seconds = recover_seconds(cfg, self)
 
     def release(self) -> None:
         """Drop references to the measured run, so that its model is freed before the recovery run builds one."""
@@ -543,7 +556,10 @@ class ReplayMethod(MoCMethod):
     paired = True
 
     def __init__(self, name: str, root: Path, every: int, shm_root: Path, window: int) -> None:
-        super().__init__(name, root, every, shm_root, mode="replay", replay=ReplayConfig(window=window))
+        super().__init__(
+            name, root, every, shm_root, mode="replay", replay=ReplayConfig(window=window),
+            remove_snapshots_on_fit_end=False,  # the first recovery, like a crashed process's, finds the copy in memory
+        )
         self.window = window
         self.notes = (
             f"replay window W={window}: a capture every iteration on the training thread; each complete window "
@@ -586,9 +602,38 @@ class ReplayMethod(MoCMethod):
     def persist_seconds(self) -> list[float]:
         return [s for _, s in self.probe.persist]
 
-    def replay_seconds(self) -> float | None:
-        report = self.resumed.replay_report if self.resumed is not None else None
-        return round(report.replay_seconds, 3) if report is not None else None
+    def recover(self, cfg: BenchConfig, row: Row, base: Baseline) -> None:
+        """Two recoveries, each with its restore (opening the window, copying its tensors into the live ones) apart
+        from its replay, against the speed of light of moving the restored bytes (issue 14 item 7): a crashed
+        process on a healthy node (the window from shared memory, against ``copy_gbps``), then a lost node (its
+        shared-memory copy removed: the window from storage, against a sequential read of a file of the restored
+        size in the checkpoint directory, measured now). The window objects' pages are evicted from the page cache
+        as that file's are (:mod:`moc_lightning.read_speed`), so the recovery's read starts from the same cache
+        state as the bound's."""
+        row.recover_seconds = recover_seconds(cfg, self)
+        (row.restore_memory_seconds, row.restore_memory_bytes, row.restore_memory_light_ratio,
+         row.replay_seconds) = restore_figures(self._replayed("memory"), base.copy_gbps)  # fmt: skip
+        memory = self.resumed.windows.memory
+        for path in (memory, memory_head(memory)):  # the node's shared memory is lost
+            path.unlink(missing_ok=True)
+        storage, rank = self.root / "ckpt", _rank()
+        for path in (storage / window_object(rank, index) for index in range(STORAGE_COPIES)):
+            if path.exists():
+                evict(path)
+        gbps = read_gbps(storage / f"read_speed_of_light.{rank}.bin", self.resumed.replay_report.restored_bytes)
+        row.read_gbps = round(-_slowest([-gbps])[0], 3)  # the slowest rank's bandwidth
+        release_memory()
+        row.recover_storage_seconds = recover_seconds(cfg, self)
+        (row.restore_storage_seconds, row.restore_storage_bytes, row.restore_storage_light_ratio,
+         row.replay_storage_seconds) = restore_figures(self._replayed("storage"), gbps)  # fmt: skip
+
+    def _replayed(self, source: str) -> ReplayReport:
+        """The recovery run's report, which must have restored from ``source``."""
+        report = self.resumed.replay_report
+        if report is None or report.source != source:
+            found = "no window" if report is None else f"the window from {report.source}"
+            raise RuntimeError(f"{self.name}: the recovery meant to restore from {source} restored {found}")
+        return report
 
 
 class NvrxMethod(Method):
@@ -852,6 +897,17 @@ def recover_seconds(cfg: BenchConfig, method: Method) -> float:
     return round(_slowest([run.clock.starts[0] - run.started])[0], 3)
 
 
+def restore_figures(report: ReplayReport, gbps: float) -> tuple[float, int, float, float]:
+    """A replay recovery's restore seconds, restored bytes, restore time over the time of moving those bytes at
+    ``gbps`` (its speed of light), and replay seconds: per figure the slowest rank's (each rank's ratio is against
+    its own bytes and bound)."""
+    light_seconds = report.restored_bytes / (gbps * GB)
+    seconds, nbytes, ratio, replay = _slowest(
+        [report.restore_seconds, report.restored_bytes, report.restore_seconds / light_seconds, report.replay_seconds]
+    )
+    return round(seconds, 6), int(nbytes), round(ratio, 3), round(replay, 3)
+
+
 def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: Baseline) -> Row:
     """Train with one method, measure it, resume from its newest checkpoint, and delete what it wrote."""
     root = work / name
@@ -870,8 +926,7 @@ def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: 
         method.release()
         del run
         release_memory()
-        row.recover_seconds = recover_seconds(cfg, method)
-        row.replay_seconds = method.replay_seconds()
+        method.recover(cfg, row, base)
     _remove_on_rank0(root, shm_root / name)
     return row
 
@@ -1079,6 +1134,28 @@ def _replay_lines(result: dict[str, Any]) -> list[str]:
         f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration (timers); "
         f"iteration times: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right before it "
         f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline",
+        *_restore_lines(replay, result["speed_of_light"]["copy_gbps"]),
+    ]
+
+
+def _restore_lines(replay: dict[str, Any], copy_gbps: float) -> list[str]:
+    """``moc_replay``'s restores from memory and from storage beside issue 14 item 7's bound, and the replays apart."""
+    if replay.get("restore_memory_seconds") is None:  # a result written before these figures existed
+        return []
+
+    def restore(level: str, what: str, gbps: float) -> str:
+        ratio = replay[f"restore_{level}_light_ratio"]
+        verdict = "met" if ratio <= RESTORE_BOUND else "not met"
+        return (f"from {level} {replay[f'restore_{level}_bytes'] / 1e6:.2f} MB in "
+                f"{replay[f'restore_{level}_seconds'] * 1000:.1f} ms = {ratio}x the {what} at {gbps} GB/s "
+                f"(bound {RESTORE_BOUND:g}x: {verdict})")
+
+    return [
+        f"moc_replay restore, replay excluded: {restore('memory', 'copy', copy_gbps)}; "
+        f"{restore('storage', 'sequential read of a file of that size', replay['read_gbps'])}",
+        f"moc_replay replay: {replay['replay_seconds']} s after the restore from memory, "
+        f"{replay['replay_storage_seconds']} s after the one from storage; whole recoveries "
+        f"{replay['recover_seconds']} s and {replay['recover_storage_seconds']} s",
     ]
 
 

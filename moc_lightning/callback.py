@@ -66,7 +66,7 @@ from moc_lightning.lineage import fingerprint as lineage_fingerprint
 from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.pieces import check_supported
 from moc_lightning.replay_driver import (
-    ReplayReport, WindowCapture, WindowLog, check_strategy, check_trainer, replay_window,
+    ReplayReport, WindowCapture, check_strategy, check_trainer, replay_window,
 )
 from moc_lightning.replay_memory import WindowMemory, window_memory
 from moc_lightning.routing import TokenSource, token_source, unknown_message
@@ -76,7 +76,7 @@ from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 from moc_lightning.window_choice import WindowChoice, WindowProbe
-from moc_lightning.window_store import MEMORY_SUFFIX, WindowStore, memory_path
+from moc_lightning.window_store import MEMORY_SUFFIX, Restored, WindowStore, memory_path
 
 
 class MoCCheckpoint(Checkpoint):
@@ -110,7 +110,7 @@ class MoCCheckpoint(Checkpoint):
         """``mode=replay`` with ``replay.window=auto``: W and what it was chosen from (``None`` until chosen)."""
         self.windows: WindowStore | None = None
         """``mode=replay``: where completed windows go (shared memory, then storage) and are found on resume."""
-        self._to_replay: tuple[WindowLog, str] | None = None
+        self._to_replay: Restored | None = None
         self.replay_report: ReplayReport | None = None
         """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
         self.window_memory: WindowMemory | None = None
@@ -300,7 +300,7 @@ class MoCCheckpoint(Checkpoint):
         engine.pec.base_on(manifest)
         if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
             return self._fresh_checkpoint(module, "no replay window of this run that every rank completed")
-        self._to_replay = (log, found.source)
+        self._to_replay = found
         return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 
     def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
@@ -583,18 +583,23 @@ class MoCCheckpoint(Checkpoint):
 
     def _replay(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """``mode=replay``: recompute the restored window before the first new step (:mod:`replay_driver`)."""
-        (log, source), self._to_replay = self._to_replay, None
-        report = self.replay_report = replay_window(trainer, pl_module, self.engine.pec.layout, log, source)
+        found, self._to_replay = self._to_replay, None
+        report = self.replay_report = replay_window(
+            trainer, pl_module, self.engine.pec.layout, found.log, found.source, found.nbytes, found.read_seconds
+        )
         self._write_report({"mode": "replay", **dataclasses.asdict(report)})
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
         _log_now(trainer, {
             "moc/replay_iterations": float(report.replay_iterations), "moc/replay_seconds": report.replay_seconds,
+            "moc/restore_seconds": report.restore_seconds, "moc/restore_bytes": float(report.restored_bytes),
+            "moc/restore_from_memory": float(report.source == "memory"),
         })
         if self.engine.rank == 0:
-            print(f"[moc_lightning] replayed {report.replay_iterations} iterations of the window from step "
-                  f"{report.window_start} ({report.source}) in {report.replay_seconds:.2f}s; every unit is at its "
-                  f"fault-free state of step {report.resume_step} (PLT 0)")
+            print(f"[moc_lightning] restored the window from step {report.window_start} "
+                  f"({report.restored_bytes / 1e6:.1f} MB from {report.source}) in {report.restore_seconds:.3f}s and "
+                  f"replayed {report.replay_iterations} iterations in {report.replay_seconds:.2f}s; every unit is at "
+                  f"its fault-free state of step {report.resume_step} (PLT 0)")
 
 
 def _log_now(trainer: L.Trainer, metrics: dict[str, float]) -> None:

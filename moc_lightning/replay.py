@@ -38,6 +38,7 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -198,6 +199,10 @@ class Replay:
             raise ValueError(f"the window's units differ from the layout's: {[u.key for u in differ[:5]]}")
         self.record = record
         self.layout = layout
+        self.restore_seconds = 0.0
+        """Time spent so far copying the window's tensors into the live ones (units' full states, and the logged
+        weights the frozen units compute with): a recovery's restore, every byte of the window's tensors copied once,
+        apart from the replay's computation (issue 14 item 7 bounds the restore by a copy's speed of light)."""
         self._owners: dict[str, list[Unit]] = {}
         for unit, slots in layout.slots.items():
             for slot in slots:
@@ -212,7 +217,9 @@ class Replay:
     def before_forward(self, i: int) -> None:
         """Restore the units active at i-1, give the frozen ones the weights iteration i read, clear gradients."""
         self._restore(self._active(i - 1))
+        start = time.perf_counter()
         self.layout.copy_in(self.record.logged[i - 1])
+        self.restore_seconds += time.perf_counter() - start
         self.layout.optimizer.zero_grad(set_to_none=True)
 
     def before_optimizer_step(self, i: int) -> None:
@@ -230,8 +237,10 @@ class Replay:
         return [u for u, tu in self.record.schedule.items() if tu == t]
 
     def _restore(self, units: Iterable[Unit]) -> None:
+        start = time.perf_counter()
         for unit in units:
             restore_unit(self.layout, unit, self.record.full[unit])
+        self.restore_seconds += time.perf_counter() - start
 
 
 def replay(record: WindowRecord, layout: Layout, step_fn: Callable[[int], None]) -> int:

@@ -37,6 +37,7 @@ import io
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -157,7 +158,16 @@ class WindowLog:
     def from_bytes(cls, data: bytes) -> tuple[WindowLog, dict[str, Any] | None]:
         """The window and the lineage stamp it was written under."""
         # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it
-        payload = torch.load(io.BytesIO(data), weights_only=False)
+        return cls._from_payload(torch.load(io.BytesIO(data), weights_only=False))
+
+    @classmethod
+    def from_file(cls, path: Path) -> tuple[WindowLog, dict[str, Any] | None]:
+        """:meth:`from_bytes` of a file, mapped: the tensors are views of its pages (a file replaced later keeps
+        its old pages mapped), so nothing is read until the tensors are."""
+        return cls._from_payload(torch.load(path, weights_only=False, mmap=True))
+
+    @classmethod
+    def _from_payload(cls, payload: dict[str, Any]) -> tuple[WindowLog, dict[str, Any] | None]:
         record = WindowRecord({parse_unit(k): t for k, t in payload["schedule"].items()}, payload["window"])
         record.full = {parse_unit(k): state for k, state in payload["full"].items()}
         record.logged = payload["logged"]
@@ -230,7 +240,16 @@ class ReplayReport:
     replay_iterations: int
     """Iterations recomputed through ``training_step`` (W-1: the first one's state is restored directly)."""
     replay_seconds: float
-    """Wall time of the replay."""
+    """Wall time of the replay's computation: the replayed iterations, without copying the window's tensors into
+    the live ones (that is in :attr:`restore_seconds`)."""
+    restored_bytes: int
+    """Size of the window read from :attr:`source` (serialized: its tensors, batches, RNG and trainer state)."""
+    restore_seconds: float
+    """Opening the window from :attr:`source` (mapping a local file, reading a remote object whole), plus copying
+    its tensors into the live ones (:attr:`Replay.restore_seconds`: every unit's full state, the frozen units'
+    logged weights), which is where a mapped file's bytes are read; issue 14 item 7 bounds this by the speed of
+    light of a copy (memory) or a read (storage) of :attr:`restored_bytes`. Opening the rank's other copies, to
+    agree on the window, is not in it."""
     plt: float = 0.0
     """Proportion of lost tokens: none, every unit is back at its fault-free state after the window."""
     source: str = "storage"
@@ -238,10 +257,13 @@ class ReplayReport:
 
 
 def replay_window(
-    trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog, source: str
+    trainer: L.Trainer, module: L.LightningModule, layout: Layout, log: WindowLog, source: str,
+    restored_bytes: int, read_seconds: float,
 ) -> ReplayReport:
     """Bring ``layout``'s model and optimizer to their state after ``log``'s window, by replaying it (module
-    docstring); the LR schedulers and the optimizer's hyperparameters end where the window left them."""
+    docstring); the LR schedulers and the optimizer's hyperparameters end where the window left them.
+    ``restored_bytes`` and ``read_seconds``: how big the window read from ``source`` was and how long reading it
+    took, for the report's restore figures."""
     optimizer = trainer.optimizers[0]
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
     for group, saved in zip(optimizer.param_groups, log.param_groups):
@@ -270,7 +292,11 @@ def replay_window(
             for scheduler in schedulers:
                 scheduler.step()
         run.finish()
-    return ReplayReport(log.start_step, log.end_step, len(run.iterations), time.perf_counter() - start, source=source)
+    seconds = time.perf_counter() - start
+    return ReplayReport(
+        log.start_step, log.end_step, len(run.iterations), seconds - run.restore_seconds, restored_bytes,
+        read_seconds + run.restore_seconds, source=source,
+    )
 
 
 @contextlib.contextmanager

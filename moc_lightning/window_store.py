@@ -13,6 +13,11 @@ steps, and the length and CRC32C of the copy's bytes. A copy is written as: remo
 window, write the new head; so a head names the bytes beside it, or (a crash between the last two) is absent and
 the copy is not a candidate. The resume lists candidates from heads alone: a window is deserialized only once
 the ranks have agreed on it, so a resume holds one deserialized window, not one per candidate (up to four).
+A copy that is a local file (the one in shared memory; a storage object under a local root) is mapped, not read
+into a buffer (:meth:`~moc_lightning.replay_driver.WindowLog.from_file`): the restore copies each byte once, from
+the page cache into the live tensors. A storage object is first read through in large reads with its CRC32C
+checked against the head (a device or a network held it); the copy in shared memory, written by this node and
+replaced atomically, is checked by length, as PEC's snapshot slots are trusted by their commit.
 
 What waits for what, and why:
 
@@ -56,6 +61,7 @@ from moc_lightning.agreement import gather
 from moc_lightning.background import background_executor
 from moc_lightning.checkpointer import AgreedFailure
 from moc_lightning.lineage import Lineage
+from moc_lightning.read_speed import read_through
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
 from moc_lightning.sealed import checksum, seal, unseal
 from moc_lightning.storage import CheckpointStorage
@@ -158,6 +164,9 @@ class Place:
     head: str
     where: str
     """What a message names: the file in shared memory, the object in storage."""
+    local: Path | None
+    """The local file holding the copy's bytes, mapped by a load; ``None`` where objects are not local files (a
+    remote kvstore: the load reads the object whole)."""
 
     def write(self, data: bytes, head: bytes) -> None:
         """Replace the copy: the old head goes first, so a crash before the new head lands leaves no head that
@@ -170,18 +179,32 @@ class Place:
         data = self.objects.get(self.head)
         return None if data is None else WindowHead.from_bytes(data)
 
-    def load(self, head: WindowHead) -> tuple[WindowLog, bytes]:
-        """The window whose head is ``head``, and its bytes; raises ``ValueError`` when they do not match."""
-        data = self.objects.get(self.name)
-        if data is None:
-            raise ValueError("the window is missing beside its head")
-        if len(data) != head.length or checksum(data) != head.crc:
-            raise ValueError(f"{len(data)} bytes (CRC32C {checksum(data):08x}) do not match the head's "
-                             f"{head.length} bytes (CRC32C {head.crc:08x})")
-        log, _ = WindowLog.from_bytes(data)
+    def load(self, head: WindowHead) -> WindowLog:
+        """The window whose head is ``head``; raises ``ValueError`` when the copy does not match it (module
+        docstring: what is checked where)."""
+        if self.local is None:
+            data = self.objects.get(self.name)
+            if data is None:
+                raise ValueError("the window is missing beside its head")
+            self._check(len(data), checksum(data), head)
+            log, _ = WindowLog.from_bytes(data)
+        else:
+            try:
+                nbytes, crc = read_through(self.local, crc=True) if self.source == "storage" else (
+                    self.local.stat().st_size, None)
+            except FileNotFoundError:
+                raise ValueError("the window is missing beside its head") from None
+            self._check(nbytes, crc, head)
+            log, _ = WindowLog.from_file(self.local)
         if log.end_step != head.end_step:
             raise ValueError(f"the window ends at step {log.end_step}, its head says {head.end_step}")
-        return log, data
+        return log
+
+    @staticmethod
+    def _check(nbytes: int, crc: int | None, head: WindowHead) -> None:
+        if nbytes != head.length or crc not in (None, head.crc):
+            got = f"{nbytes} bytes" + ("" if crc is None else f" (CRC32C {crc:08x})")
+            raise ValueError(f"{got} do not match the head's {head.length} bytes (CRC32C {head.crc:08x})")
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,11 @@ class Restored:
     log: WindowLog
     source: str
     """Where this rank's copy came from: ``memory`` or ``storage``."""
+    nbytes: int
+    """Size of the copy (the serialized window)."""
+    read_seconds: float
+    """Time loading it took (reading a storage object through and checking it, mapping it, unpickling): the first
+    part of a restore from it."""
 
     @property
     def end_step(self) -> int:
@@ -255,7 +283,7 @@ class WindowStore:
         written to storage first where only memory held it; ``None`` when the ranks have none in common
         (collective: every rank takes the same path, raises included)."""
         candidates = self.candidates(lineage)
-        loaded: tuple[Candidate, WindowLog, bytes] | None = None
+        loaded: tuple[Candidate, WindowLog, float] | None = None
         while True:
             end_step = agree(gather(sorted({c.end_step for c in candidates})))
             if end_step is None:
@@ -264,16 +292,18 @@ class WindowStore:
             if loaded is None or loaded[0] != chosen:
                 loaded = None  # the previous window's memory goes before the next is read
                 try:
-                    loaded = (chosen, *self._place(chosen.source, chosen.head.index).load(chosen.head))
+                    start = time.perf_counter()
+                    log = self._place(chosen.source, chosen.head.index).load(chosen.head)
+                    loaded = (chosen, log, time.perf_counter() - start)
                 except Exception as err:  # the ranks agree again without it, below
                     self._skip(chosen.source, chosen.where, err)
             if all(gather(loaded is not None)):
                 break
             if loaded is None:
                 candidates.remove(chosen)
-        _, log, data = loaded
-        self._agree_on_restore(data if restore else None, chosen.head)
-        return Restored(log, chosen.source)
+        _, log, seconds = loaded
+        self._agree_on_restore(restore, chosen.head)
+        return Restored(log, chosen.source, chosen.head.length, seconds)
 
     def candidates(self, lineage: Lineage) -> list[Candidate]:
         """This rank's windows of ``lineage``'s current timeline, in memory and in storage, from their heads."""
@@ -293,22 +323,24 @@ class WindowStore:
         """Where the copy in ``source`` of window number ``index`` lives (memory holds one, whatever its index)."""
         if source == "memory":
             head = memory_head(self.memory)
-            return Place(source, LocalObjects(self.memory.parent), self.memory.name, head.name, str(self.memory))
+            return Place(source, LocalObjects(self.memory.parent), self.memory.name, head.name, str(self.memory),
+                         self.memory)
         name = window_object(self.rank, index)
-        return Place(source, self.storage, name, head_object(self.rank, index), name)
+        return Place(source, self.storage, name, head_object(self.rank, index), name, self.storage.local_file(name))
 
     def _skip(self, source: str, where: str, err: Exception) -> None:
         print(f"[moc_lightning] rank {self.rank}: skipping the replay window in {source} ({where}), "
               f"unreadable: {type(err).__name__}: {err}")
 
-    def _agree_on_restore(self, data: bytes | None, head: WindowHead) -> None:
-        """Write ``data`` (the resumed window, when only memory held it) to storage; if that fails on any rank,
-        every rank raises :class:`AgreedFailure` (collective, run on every rank whatever happened)."""
+    def _agree_on_restore(self, restore: bool, head: WindowHead) -> None:
+        """With ``restore``, write the resumed window (only memory held it) to storage as it lies in memory (nothing
+        writes it while the ranks resume); if that fails on any rank, every rank raises :class:`AgreedFailure`
+        (collective, run on every rank whatever happened)."""
         failure = None
-        if data is not None:
+        if restore:
             place = self._place("storage", head.index)
             try:
-                place.write(data, head.to_bytes())
+                place.write(self.memory.read_bytes(), head.to_bytes())
             except Exception as err:  # shared with every rank below, raised everywhere
                 failure = f"{place.name} in {self.storage.url}: {type(err).__name__}: {err}"
         failures = {rank: text for rank, text in enumerate(gather(failure)) if text is not None}

@@ -71,6 +71,9 @@ class FaultyStorage:
     def get(self, name: str) -> bytes | None:
         return self.inner.get(name)
 
+    def local_file(self, name: str) -> Path | None:
+        return self.inner.local_file(name)
+
     def delete(self, name: str) -> None:
         self.inner.delete(name)
 

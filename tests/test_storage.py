@@ -104,6 +104,20 @@ def test_put_get_replace_and_missing(storage: CheckpointStorage) -> None:
         assert _local_files(storage) == {"manifest.json", "step_00000010/moc.json"}  # no temp or lock files
 
 
+def test_a_control_object_under_a_local_root_is_a_local_file_a_put_replaces(storage: CheckpointStorage) -> None:
+    """Replay windows are mapped from it (:mod:`moc_lightning.window_store`): a put must give the name a new file, so
+    that a mapping of the old one keeps its bytes; a remote kvstore has no such file."""
+    storage.put("replay_window.rank0.0.pt", b"old")
+    path = storage.local_file("replay_window.rank0.0.pt")
+    if not storage.url.startswith("file://"):
+        assert path is None
+        return
+    assert path.read_bytes() == b"old"
+    with path.open("rb") as old:
+        storage.put("replay_window.rank0.0.pt", b"new bytes")
+        assert old.read() == b"old" and path.read_bytes() == b"new bytes"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_put_keeps_old_bytes_and_leaves_no_temp_file(
     backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

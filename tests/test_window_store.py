@@ -98,17 +98,19 @@ def _hand_over(store: WindowStore, windows: range) -> None:
 
 
 class CountedLoads:
-    """Counts the windows deserialized (:meth:`WindowLog.from_bytes`)."""
+    """Counts the windows deserialized (:meth:`WindowLog.from_bytes`, or :meth:`WindowLog.from_file` mapping a
+    local copy)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.loads = 0
-        load = WindowLog.from_bytes
+        for name in ("from_bytes", "from_file"):
+            load = getattr(WindowLog, name)
 
-        def counted(data: bytes) -> Any:
-            self.loads += 1
-            return load(data)
+            def counted(source: Any, load: Any = load) -> Any:
+                self.loads += 1
+                return load(source)
 
-        monkeypatch.setattr(WindowLog, "from_bytes", staticmethod(counted))
+            monkeypatch.setattr(WindowLog, name, staticmethod(counted))
 
 
 def test_a_resume_among_several_candidates_deserializes_one_window(
@@ -130,23 +132,34 @@ def test_a_resume_among_several_candidates_deserializes_one_window(
     assert counted.loads == 1
 
 
+@pytest.mark.parametrize(
+    ("damaged", "resumed"), [("memory", (2 * W, "storage")), ("storage", (W, "storage"))], ids=["memory", "storage"]
+)
 def test_a_damaged_window_behind_a_valid_header_is_skipped_with_a_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damaged: str,
+    resumed: tuple[int, str],
 ) -> None:
-    """The copy in memory is damaged after its header was written: the load of it fails its checksum, it is
-    skipped with one line, and the resume takes storage's copy of the same window."""
+    """A copy damaged after its head was written fails its check before it is deserialized, is skipped with one
+    line, and the resume takes the next copy: memory's copy of window 1, torn (its length is checked), gives way
+    to storage's copy of the same window; storage's copy of window 1 with a flipped bit (its CRC32C is checked;
+    memory's copy gone, as on a lost node) gives way to storage's window 0."""
     _hand_over(_store(tmp_path), range(2))
     memory = tmp_path / "shm" / "rank0.replay_window.pt"
-    data = bytearray(memory.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    memory.write_bytes(bytes(data))
+    if damaged == "memory":
+        memory.write_bytes(memory.read_bytes()[:-1])
+    else:
+        memory.unlink()
+        stored = tmp_path / "ckpt" / window_object(0, 1)
+        data = bytearray(stored.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        stored.write_bytes(bytes(data))
     counted = CountedLoads(monkeypatch)
     found = _store(tmp_path).restore(LINEAGE)
     out = capsys.readouterr().out
     print(out)
-    assert found is not None and (found.end_step, found.source) == (2 * W, "storage")
-    assert "skipping the replay window in memory" in out and "unreadable" in out
-    assert counted.loads == 1, "the damaged copy failed its checksum before it was deserialized"
+    assert found is not None and (found.end_step, found.source) == resumed
+    assert f"skipping the replay window in {damaged}" in out and "do not match the head" in out
+    assert counted.loads == 1, "the damaged copy failed its check before it was deserialized"
 
 
 def _restore_with_rank1_storage_full(rank: int, world_size: int, root: str) -> dict[str, Any]:

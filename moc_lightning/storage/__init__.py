@@ -13,6 +13,7 @@ re-raises it wrapped, on every rank, and :func:`corrupt_from` finds it again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from torch.distributed.checkpoint import StorageReader, StorageWriter
@@ -23,7 +24,7 @@ from moc_lightning.storage.tensorstore import TensorStoreStorage
 
 
 class CheckpointStorage(Protocol):
-    """The three control-object operations MoC needs from a storage backend, plus the DCP writer/reader pair."""
+    """The control-object operations MoC needs from a storage backend, plus the DCP writer/reader pair."""
 
     url: str
     """Root location, e.g. ``file:///scratch/run/ckpt``."""
@@ -50,6 +51,11 @@ class CheckpointStorage(Protocol):
 
     def get(self, name: str) -> bytes | None:
         """Read a control object; ``None`` if it does not exist."""
+        ...
+
+    def local_file(self, name: str) -> Path | None:
+        """The local file that holds control object ``name`` (which may not exist), for a reader that maps it rather
+        than reading it whole (a replay window); ``None`` where objects are not local files (a remote kvstore)."""
         ...
 
     def delete(self, name: str) -> None:

@@ -70,6 +70,10 @@ class LocalObjects:
         except FileNotFoundError:
             return None
 
+    def local_file(self, name: str) -> Path:
+        """The file of ``name``: a put replaces it whole (a new inode), so a reader that mapped it keeps old bytes."""
+        return self.root / name
+
     def delete(self, name: str) -> None:
         """Remove ``name`` (a file, or a directory and everything under it); a missing one is not an error.
 
@@ -99,6 +103,10 @@ class KvObjects:
         """The bytes of ``name``; ``None`` if it does not exist."""
         result = self.kvstore.read(name).result()
         return result.value if result.state == "value" else None
+
+    def local_file(self, name: str) -> None:
+        """Keys of a kvstore are no local files."""
+        return None
 
     def delete(self, name: str) -> None:
         """Remove key ``name`` and every key under ``name/``; missing keys are not an error."""

@@ -9,6 +9,8 @@ through the same atomic contract as the filesystem backend: on a local root the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import tensorstore as ts
 
 from moc_lightning.storage.location import local_path, open_kvstore, open_local_dir
@@ -42,6 +44,10 @@ class TensorStoreStorage:
     def get(self, name: str) -> bytes | None:
         """Read control object ``name``; ``None`` if missing."""
         return self.objects.get(name)
+
+    def local_file(self, name: str) -> Path | None:
+        """The local file of control object ``name`` under a local root; ``None`` on a remote kvstore."""
+        return self.objects.local_file(name)
 
     def delete(self, name: str) -> None:
         """Remove checkpoint (or object) ``name`` and everything under it; missing is not an error."""
