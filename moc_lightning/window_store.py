@@ -50,6 +50,7 @@ What waits for what, and why:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -65,7 +66,6 @@ from moc_lightning.read_speed import read_through
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
 from moc_lightning.sealed import checksum, seal, unseal
 from moc_lightning.storage import CheckpointStorage
-from moc_lightning.storage.objects import LocalObjects
 
 STORAGE_COPIES = 3
 """Storage objects per rank, alternating by window index (module docstring: why 3, not 2)."""
@@ -108,6 +108,35 @@ class Objects(Protocol):
     def get(self, name: str) -> bytes | None: ...
 
     def delete(self, name: str) -> None: ...
+
+
+class MemoryFiles:
+    """Objects as files in the rank's folder of node-local shared memory: replaced atomically (a reader sees the old
+    bytes or the new), never fsynced: shared memory does not outlive the node, so there is nothing to make durable,
+    and an fsync where the root is a disk would only slow the background thread before the storage write."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def put(self, name: str, data: bytes) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / name
+        tmp = path.with_name(f".{name}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def get(self, name: str) -> bytes | None:
+        try:
+            return (self.root / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -323,7 +352,7 @@ class WindowStore:
         """Where the copy in ``source`` of window number ``index`` lives (memory holds one, whatever its index)."""
         if source == "memory":
             head = memory_head(self.memory)
-            return Place(source, LocalObjects(self.memory.parent), self.memory.name, head.name, str(self.memory),
+            return Place(source, MemoryFiles(self.memory.parent), self.memory.name, head.name, str(self.memory),
                          self.memory)
         name = window_object(self.rank, index)
         return Place(source, self.storage, name, head_object(self.rank, index), name, self.storage.local_file(name))
