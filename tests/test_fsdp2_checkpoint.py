@@ -32,6 +32,7 @@ from moc_lightning.models import ExpertParallelTopology, GPTMoE
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import data_parallel_meshes, shard_gpt_moe
 from moc_lightning.pieces import check_supported, replicas
+from moc_lightning.size_model import size_model
 from moc_lightning.snapshot import SnapshotStore
 from moc_lightning.two_level import TwoLevelCheckpointer
 from moc_lightning.units import ExpertUnit, parse_unit
@@ -181,6 +182,36 @@ def test_a_k1_persist_writes_each_ranks_pieces_and_eq6_over_ranks(written_by_fsd
     assert total == written[0]["k1_report"].expected_bytes
     print(f"fsdp2 K=1 persist bytes per rank: {[w['k1_report'].bytes_written for w in written]}, sum {total}, "
           f"eq. 6 {written[0]['k1_eq6']:.0f}")
+
+
+def _write_and_reload_under_scope(rank: int, world_size: int, root: str, scope: str) -> dict:
+    """:func:`train_and_checkpoint` under FSDP2 (ep=1) and ``pec_scope=scope`` with nothing gathered while
+    checkpointing, then a fresh FSDP2 model restored from it."""
+    url = Path(root, "ckpt").as_uri()
+    written = train_and_checkpoint(rank, world_size, url, 1, fsdp2=True, pec_scope=scope, guard=no_gathering)
+    return written | load_fresh(rank, world_size, url, 1, fsdp2=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["optimizer", "weights"])
+def test_an_fsdp2_checkpoint_under_each_pec_scope_round_trips_bitwise_and_matches_eq6(
+    tmp_path: Path, scope: str
+) -> None:
+    """``pec_scope=optimizer``/``weights`` under FSDP2: each rank writes its local pieces of the K=4 experts whole and
+    of the other experts' non-PEC part, nothing gathered; the ranks' bytes sum to eq. 6 of the scope (evaluated on the
+    same model in one plain process), and a fresh model takes each part of each expert from its newest copy, bitwise,
+    PLT by hand."""
+    ranks = run_ranks(_write_and_reload_under_scope, 2, tmp_path, str(tmp_path), scope)
+    for rank in ranks:
+        check_round_trip(rank, scope)
+    plain = Trainee(ExpertParallelTopology())
+    plain.step(1)
+    eq6 = size_model(build_layout(plain.model, plain.optimizer, num_experts=TINY.num_experts)).c_pec(4, scope)
+    per_rank = [rank["reports"][4].bytes_written for rank in ranks]
+    assert sum(per_rank) == pytest.approx(eq6, rel=0.01)
+    assert sum(per_rank) == ranks[0]["reports"][4].expected_bytes
+    assert 0.3 * sum(per_rank) < per_rank[1] < 0.7 * sum(per_rank), "each rank writes its own pieces"
+    print(f"fsdp2 K=4 pec_scope={scope} persist bytes per rank: {per_rank}, eq. 6 {eq6:.0f}")
 
 
 @contextlib.contextmanager
