@@ -187,24 +187,33 @@ def test_a_k1_persist_writes_each_ranks_pieces_and_eq6_over_ranks(written_by_fsd
           f"eq. 6 {written[0]['k1_eq6']:.0f}")
 
 
-def _write_and_reload_under_scope(rank: int, world_size: int, root: str, scope: str) -> dict:
-    """:func:`train_and_checkpoint` under FSDP2 (ep=1) and ``pec_scope=scope`` with nothing gathered while
-    checkpointing, then a fresh FSDP2 model restored from it."""
+def _under_scope(rank: int, world_size: int, root: str, scope: str) -> dict:
+    """Under FSDP2 (ep=1) and ``pec_scope=scope``: :func:`train_and_checkpoint` with nothing gathered while
+    checkpointing, then a fresh FSDP2 model restored from it; and, to storage and slots of their own,
+    :func:`snapshot_and_recover` with every slot kept (in ``"memory"``)."""
     url = Path(root, "ckpt").as_uri()
     written = train_and_checkpoint(rank, world_size, url, 1, fsdp2=True, pec_scope=scope, guard=no_gathering)
-    return written | load_fresh(rank, world_size, url, 1, fsdp2=True)
+    loaded = load_fresh(rank, world_size, url, 1, fsdp2=True)
+    memory = snapshot_and_recover(rank, world_size, str(Path(root, "two_level")), None, pec_scope=scope)
+    return written | loaded | {"memory": memory}
+
+
+@pytest.fixture(scope="module", params=["optimizer", "weights"])
+def under_scope(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """The scope and what 2 FSDP2 ranks wrote and restored under it (:func:`_under_scope`): one run per scope."""
+    root = tmp_path_factory.mktemp(f"fsdp2_{request.param}")
+    return request.param, run_ranks(_under_scope, 2, root, str(root), request.param)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["optimizer", "weights"])
 def test_an_fsdp2_checkpoint_under_each_pec_scope_round_trips_bitwise_and_matches_eq6(
-    tmp_path: Path, scope: str
+    under_scope: tuple[str, list[dict]]
 ) -> None:
     """``pec_scope=optimizer``/``weights`` under FSDP2: each rank writes its local pieces of the K=4 experts whole and
     of the other experts' non-PEC part, nothing gathered; the ranks' bytes sum to eq. 6 of the scope (evaluated on the
     same model in one plain process), and a fresh model takes each part of each expert from its newest copy, bitwise,
     PLT by hand."""
-    ranks = run_ranks(_write_and_reload_under_scope, 2, tmp_path, str(tmp_path), scope)
+    scope, ranks = under_scope
     for rank in ranks:
         check_round_trip(rank, scope)
     plain = Trainee(ExpertParallelTopology())
@@ -297,13 +306,14 @@ def test_fsdp2_recovers_from_memory_only_where_every_piece_survived(tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scope", ["optimizer", "weights"])
-def test_fsdp2_recovers_each_part_from_its_newest_slot_under_each_pec_scope(tmp_path: Path, scope: str) -> None:
+def test_fsdp2_recovers_each_part_from_its_newest_slot_under_each_pec_scope(
+    under_scope: tuple[str, list[dict]]
+) -> None:
     """Under ``pec_scope=optimizer``/``weights`` each rank's slots hold its pieces of 2 experts per MoE layer whole and
     of the other experts' non-PEC part (about half the bytes of those units and parts). A fresh model takes each part
     of each expert from its newest slot, bitwise: the non-PEC part of every expert from step 2, the PEC part from the
     step that snapshotted the expert whole (1 or 2), else it is lost."""
-    ranks = run_ranks(snapshot_and_recover, 2, tmp_path, str(tmp_path), None, None, scope)
+    scope, ranks = under_scope[0], [rank["memory"] for rank in under_scope[1]]
     other = "weights" if scope == "optimizer" else "optimizer"
     for rank in ranks:
         report = rank["report"]
