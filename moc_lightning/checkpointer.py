@@ -186,11 +186,6 @@ class PECCheckpointer:
         """Under FSDP2/HSDP (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the holders of each of its
         pieces (a piece's replicas under HSDP), for every unit of the model; each holder snapshots its own pieces, and
         a persist writes each piece once. ``None`` otherwise."""
-        if self.piece_holders is not None and cfg.pec_scope != "both":
-            raise ValueError(
-                f"checkpoint.pec_scope={cfg.pec_scope!r} is not supported under FSDP2 (DTensor parameters) yet; "
-                "use checkpoint.pec_scope=both, or trainer.data_parallel=ddp|zero2 for the other scopes"
-            )
         self._param_sources: dict[str, dict[str, Any]] | None = None
         self.lineage: Lineage | None = None
         """The run this engine's checkpoints belong to; ``None`` when the engine is used on its own."""
@@ -273,14 +268,16 @@ class PECCheckpointer:
             return ()
         return tuple(part_key(u.key, part) for u in self._all_units() if isinstance(u, ExpertUnit) and u not in whole)
 
-    def part_tensors(self, parts: Iterable[str]) -> dict[str, torch.Tensor]:
-        """This rank's tensors of the units it holds among ``parts`` (part keys), as in-place views."""
+    def part_tensors(self, parts: Iterable[str], local: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's tensors of the units it holds among ``parts`` (part keys), as in-place views; ``local``: each
+        DTensor as this rank's piece of it (what a snapshot copies)."""
         tensors: dict[str, torch.Tensor] = {}
         for key in parts:
             unit_key, part = split_part_key(key)
             unit = parse_unit(unit_key)
             if unit in self.layout.slots:
-                tensors.update({k: t for k, t in self.layout.tensors([unit]).items() if part_of(k) == part})
+                held = self.layout.pieces([unit]) if local else self.layout.tensors([unit])
+                tensors.update({k: t for k, t in held.items() if part_of(k) == part})
         return tensors
 
     def prune_ledger(self, in_memory: Sequence[int] = ()) -> None:
@@ -378,7 +375,8 @@ class PECCheckpointer:
                 state.update(self.part_tensors(parts))
                 writes = self._writes(units, state, parts)
             elif self.piece_holders is not None:  # a slot's local pieces, placed at their offsets again
-                state = as_dtensors(from_slot, self.layout.tensors([u for u in units if u in self.layout.slots]))
+                live = self.layout.tensors([u for u in units if u in self.layout.slots]) | self.part_tensors(parts)
+                state = as_dtensors(from_slot, live)
                 writes = self._piece_writes(state)
             else:
                 state = dict(from_slot)

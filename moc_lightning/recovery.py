@@ -126,11 +126,13 @@ def _whole_in_memory(
 
 
 def piece_donors(
-    unit: str, step: int, slots: Iterable[SlotInventory], holders: Collection[Collection[int]]
+    key: str, step: int, slots: Iterable[SlotInventory], holders: Collection[Collection[int]]
 ) -> dict[int, int]:
-    """For a unit in memory in pieces at ``step`` (``holders``: each piece's replicas): each holder whose slot of that
-    step lacks the unit -> the lowest replica of its piece whose slot has it, which sends it the piece."""
-    having = {slot.rank for slot in slots if slot.step == step and unit in slot.units}
+    """For a part of a unit in memory in pieces at ``step`` (``key``: its part key; ``holders``: each piece's
+    replicas): each holder whose slot of that step lacks that part -> the lowest replica of its piece whose slot has
+    it (the unit whole, or that part of it), which sends it the piece."""
+    unit = split_part_key(key)[0]
+    having = {slot.rank for slot in slots if slot.step == step and (unit in slot.units or key in slot.parts)}
     donors = {}
     for replicas in holders:
         donor = min(having.intersection(replicas))

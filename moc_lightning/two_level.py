@@ -25,8 +25,8 @@ still come from memory. Under FSDP2 no rank holds a unit whole: every holder sna
 
 Under ``checkpoint.pec_scope`` other than ``both`` (:mod:`moc_lightning.parts`) a snapshot and its persist also
 hold the non-PEC part of every expert they do not take whole, copied by the rank that would copy the expert
-whole; recovery takes each part of each unit from its newest surviving copy (not yet under FSDP2, which refuses
-those scopes).
+whole (under FSDP2, by every holder of it, its pieces of that part); recovery takes each part of each unit from its
+newest surviving copy.
 """
 
 from __future__ import annotations
@@ -222,15 +222,15 @@ class TwoLevelCheckpointer:
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
         parts = pec.partial_parts(units)
-        if pec.piece_holders is not None:  # FSDP2/HSDP: every holder snapshots its own pieces (pec_scope is both)
+        if pec.piece_holders is not None:  # FSDP2/HSDP: every holder snapshots its own pieces
             owners = None
             mine = [u for u in units if u in pec.layout.slots]
-            my_parts: tuple[str, ...] = ()
+            my_parts = tuple(p for p in parts if parse_unit(split_part_key(p)[0]) in pec.layout.slots)
         else:
             owners = self._owners(units, parts)
             mine = [u for u in units if owners[u.key] == self.rank]
             my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == self.rank)
-        tensors = pec.layout.pieces(mine) | pec.part_tensors(my_parts)
+        tensors = pec.layout.pieces(mine) | pec.part_tensors(my_parts, local=True)
         extra = {"engine": pec.state_dict(), "owners": owners, "lineage": self.lineage.stamp() if self.lineage else None}
         slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
         persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
@@ -481,10 +481,11 @@ class TwoLevelCheckpointer:
         engine_state, trainer_state, trainer_state_rank = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
         stored = {key: manifest.by_name(src.checkpoint) for key, src in plan.sources.items() if src.level == "storage"}
-        donors = {  # units in pieces that a holder lost: unit key -> {holder without it: the replica sending it}
-            unit: given
-            for unit, source in {split_part_key(k)[0]: s for k, s in plan.sources.items() if s.pieces}.items()
-            if (given := piece_donors(unit, source.step, inventory, pec.piece_holders[unit]))
+        donors = {  # parts in pieces that a holder lost: part key -> {holder without it: the replica sending it}
+            key: given
+            for key, source in plan.sources.items()
+            if source.pieces
+            and (given := piece_donors(key, source.step, inventory, pec.piece_holders[split_part_key(key)[0]]))
         }
         in_memory = self._memory_specs(plan, by_slot, donors)
         restored = [key for key, src in plan.sources.items() if src.level != "none"]
@@ -545,18 +546,18 @@ class TwoLevelCheckpointer:
         owners describe them (collective: one exchange). A restore creates optimizer state from these, and
         sizes the broadcasts by them: a unit's peer copy may hold state that this rank's twin lacks. A unit in
         pieces is described by this rank's own slot (its pieces, which no other rank needs), or, where this rank
-        lost it, by the slot of the replica that sends it (``donors``)."""
+        lost it, by the slot of the replica that sends it (``donors``: by part key)."""
         mine: dict[str, SlotEntry] = {}
         own_pieces: dict[str, SlotEntry] = {}
         given: dict[int, dict[str, SlotEntry]] = {}
         for key, source in plan.sources.items():
             unit = split_part_key(key)[0]
             held = parse_unit(unit) in self.pec.layout.slots
-            if source.level == "memory" and source.pieces and held and self.rank not in donors.get(unit, {}):
+            if source.level == "memory" and source.pieces and held and self.rank not in donors.get(key, {}):
                 meta = _slot_of_step(by_slot, source.step)
                 entries = {k: e for k, e in meta.entries.items() if part_key_of(k) == key}
                 own_pieces.update(entries)
-                for receiver, donor in donors.get(unit, {}).items():
+                for receiver, donor in donors.get(key, {}).items():
                     if donor == self.rank:
                         given.setdefault(receiver, {}).update(entries)
             elif source.level == "memory" and source.rank == self.rank:
@@ -580,7 +581,7 @@ class TwoLevelCheckpointer:
     ) -> None:
         """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in. A unit in
         pieces: every holder copies its own pieces in from its own slot; a holder that lost it receives it from a
-        replica (``donors``: :meth:`_restore_piece`).
+        replica (``donors``, by part key: :meth:`_restore_piece`).
 
         One broadcast per unit and slot: both parts of a unit when they come from the same slot (always under
         ``both``), each part apart when they do not. ``specs`` (from :meth:`_memory_specs`) names each part's
@@ -599,7 +600,9 @@ class TwoLevelCheckpointer:
             unit = parse_unit(unit_key)
             if source.pieces:
                 if unit in layout.slots:
-                    self._restore_piece(unit_key, keys, by_slot, source.step, specs, skip, donors.get(unit_key, {}))
+                    # the parts of one slot's step are held by the same slots (replicas hold alike): one donor map
+                    given = {r: d for part in {part_key_of(k) for k in keys} for r, d in donors.get(part, {}).items()}
+                    self._restore_piece(keys, by_slot, source.step, specs, skip, given)
                 continue
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self.rank:
@@ -624,7 +627,6 @@ class TwoLevelCheckpointer:
 
     def _restore_piece(
         self,
-        unit_key: str,
         keys: Sequence[str],
         by_slot: Mapping[int, SlotMeta],
         step: int,
@@ -655,9 +657,9 @@ class TwoLevelCheckpointer:
         """The report's ``sources`` (see :attr:`RecoveryReport.sources`): per unit under ``both``, with its
         experts' parts under the other scopes, and with the parts of any unit whose parts came from different
         sources (a lineage written under another scope). A piece this rank received from a replica is
-        ``memory_peer`` from that replica's rank."""
-        def describe(source: Source, unit: str) -> dict[str, Any]:
-            sender = donors.get(unit, {}).get(self.rank)
+        ``memory_peer`` from that replica's rank (``donors``: by part key)."""
+        def describe(source: Source, key: str) -> dict[str, Any]:
+            sender = donors.get(key, {}).get(self.rank)
             if source.pieces and sender is not None:
                 return {"level": "memory_peer", "step": source.step, "rank": sender}
             return {"level": source.describe(self.rank), "step": source.step, "rank": source.rank}
@@ -667,11 +669,12 @@ class TwoLevelCheckpointer:
         for unit in dict.fromkeys(split_part_key(key)[0] for key in plan.sources):
             parts = {part: plan.sources[part_key(unit, part)] for part in PARTS}
             if len(set(parts.values())) == 1 and not (by_part and unit.startswith("expert/")):
-                described[unit] = describe(parts["weights"], unit)
+                described[unit] = describe(parts["weights"], part_key(unit, "weights"))
                 continue
-            stalest = min(parts.values(), key=lambda s: s.step)
+            stalest = min(parts, key=lambda part: parts[part].step)
             described[unit] = {
-                **describe(stalest, unit), "parts": {part: describe(s, unit) for part, s in parts.items()}
+                **describe(parts[stalest], part_key(unit, stalest)),
+                "parts": {part: describe(s, part_key(unit, part)) for part, s in parts.items()},
             }
         return described
 

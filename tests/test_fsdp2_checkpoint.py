@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from lightning_run import source_step
 from lightning.pytorch.strategies import ModelParallelStrategy
 from safetensors.torch import load_file
 from test_checkpointer import check_round_trip
@@ -31,7 +32,10 @@ from moc_lightning.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import data_parallel_meshes, shard_gpt_moe
+from moc_lightning.ledger import NEVER
+from moc_lightning.parts import split_part_key
 from moc_lightning.pieces import check_supported, replicas
+from moc_lightning.size_model import size_model
 from moc_lightning.snapshot import SnapshotStore
 from moc_lightning.two_level import TwoLevelCheckpointer
 from moc_lightning.units import ExpertUnit, parse_unit
@@ -183,6 +187,45 @@ def test_a_k1_persist_writes_each_ranks_pieces_and_eq6_over_ranks(written_by_fsd
           f"eq. 6 {written[0]['k1_eq6']:.0f}")
 
 
+def _under_scope(rank: int, world_size: int, root: str, scope: str) -> dict:
+    """Under FSDP2 (ep=1) and ``pec_scope=scope``: :func:`train_and_checkpoint` with nothing gathered while
+    checkpointing, then a fresh FSDP2 model restored from it; and, to storage and slots of their own,
+    :func:`snapshot_and_recover` with every slot kept (in ``"memory"``)."""
+    url = Path(root, "ckpt").as_uri()
+    written = train_and_checkpoint(rank, world_size, url, 1, fsdp2=True, pec_scope=scope, guard=no_gathering)
+    loaded = load_fresh(rank, world_size, url, 1, fsdp2=True)
+    memory = snapshot_and_recover(rank, world_size, str(Path(root, "two_level")), None, pec_scope=scope)
+    return written | loaded | {"memory": memory}
+
+
+@pytest.fixture(scope="module", params=["optimizer", "weights"])
+def under_scope(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """The scope and what 2 FSDP2 ranks wrote and restored under it (:func:`_under_scope`): one run per scope."""
+    root = tmp_path_factory.mktemp(f"fsdp2_{request.param}")
+    return request.param, run_ranks(_under_scope, 2, root, str(root), request.param)
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_under_each_pec_scope_round_trips_bitwise_and_matches_eq6(
+    under_scope: tuple[str, list[dict]]
+) -> None:
+    """``pec_scope=optimizer``/``weights`` under FSDP2: each rank writes its local pieces of the K=4 experts whole and
+    of the other experts' non-PEC part, nothing gathered; the ranks' bytes sum to eq. 6 of the scope (evaluated on the
+    same model in one plain process), and a fresh model takes each part of each expert from its newest copy, bitwise,
+    PLT by hand."""
+    scope, ranks = under_scope
+    for rank in ranks:
+        check_round_trip(rank, scope)
+    plain = Trainee(ExpertParallelTopology())
+    plain.step(1)
+    eq6 = size_model(build_layout(plain.model, plain.optimizer, num_experts=TINY.num_experts)).c_pec(4, scope)
+    per_rank = [rank["reports"][4].bytes_written for rank in ranks]
+    assert sum(per_rank) == pytest.approx(eq6, rel=0.01)
+    assert sum(per_rank) == ranks[0]["reports"][4].expected_bytes
+    assert 0.3 * sum(per_rank) < per_rank[1] < 0.7 * sum(per_rank), "each rank writes its own pieces"
+    print(f"fsdp2 K=4 pec_scope={scope} persist bytes per rank: {per_rank}, eq. 6 {eq6:.0f}")
+
+
 @contextlib.contextmanager
 def no_gathering() -> Iterator[None]:
     """Fail a DTensor gathered (``full_tensor``, ``redistribute``) or a tensor all-gather through ``torch.distributed``
@@ -201,16 +244,18 @@ def no_gathering() -> Iterator[None]:
 
 
 def snapshot_and_recover(
-    rank: int, world_size: int, root: str, lose_rank: int | None, shard_size: int | None = None
+    rank: int, world_size: int, root: str, lose_rank: int | None, shard_size: int | None = None, pec_scope: str = "both"
 ) -> dict:
-    """Two steps with a snapshot (K=2) and persist (K=1) each, during which nothing may gather a DTensor; then a fresh
-    FSDP2 model (HSDP with ``shard_size``) recovers. With ``lose_rank``, that rank's slots are gone first (its node
-    was lost)."""
+    """Two steps with a snapshot (K=2) and persist (K=1) each under ``pec_scope``, during which nothing may gather a
+    DTensor; then a fresh FSDP2 model (HSDP with ``shard_size``) recovers. With ``lose_rank``, that rank's slots are
+    gone first (its node was lost). ``captured``: this rank's pieces at each step; ``snapshotted``: the units its
+    slot of each step holds whole; ``whole_bytes``: the last slot's units and parts, whole."""
     url = Path(root, "ckpt").as_uri()
     shm = Path(root, "shm", f"rank{rank}")
     trainee = Trainee(ExpertParallelTopology.from_process_group(1), fsdp2=True, shard_size=shard_size)
-    pec = trainee.engine(every_step_config(2, 1), url)
+    pec = trainee.engine(every_step_config(2, 1, pec_scope=pec_scope), url)
     engine = TwoLevelCheckpointer(pec, SnapshotStore(shm))
+    captured = {}
     for step in (1, 2):
         trainee.step(step)
         pec.record_tokens(trainee.model.moe_layers())
@@ -218,16 +263,20 @@ def snapshot_and_recover(
             engine.snapshot(step, {"step": step})
             engine.wait_snapshot()
             engine.finish()
-    captured = trainee.snapshot()
-    slot_units = [parse_unit(key) for key in engine.store.committed()[-1].units]
+        captured[step] = trainee.snapshot()
+    snapshotted = {meta.step: set(meta.units) for meta in engine.store.committed()}
+    slot = engine.store.committed()[-1]
+    whole_bytes = sum(pec.unit_nbytes(parse_unit(key)) for key in slot.units) + sum(
+        pec.unit_nbytes(parse_unit(unit), part) for unit, part in map(split_part_key, slot.parts)
+    )
     fresh = Trainee(ExpertParallelTopology.from_process_group(1), seed=1, fsdp2=True, shard_size=shard_size)
     store = SnapshotStore(shm)
     if rank == lose_rank:
         store.clear()
     dist.barrier()
-    report = TwoLevelCheckpointer(fresh.engine(every_step_config(2, 1), url), store).recover()
-    return {"captured": captured, "loaded": fresh.snapshot(), "report": report,
-            "slot_bytes": engine.stats.snapshot_bytes[-1], "whole_bytes": sum(pec.unit_nbytes(u) for u in slot_units)}
+    report = TwoLevelCheckpointer(fresh.engine(every_step_config(2, 1, pec_scope=pec_scope), url), store).recover()
+    return {"captured": captured, "loaded": fresh.snapshot(), "report": report, "snapshotted": snapshotted,
+            "slot_bytes": engine.stats.snapshot_bytes[-1], "whole_bytes": whole_bytes}
 
 
 @pytest.mark.slow
@@ -250,10 +299,40 @@ def test_fsdp2_recovers_from_memory_only_where_every_piece_survived(tmp_path: Pa
             assert sum(k.startswith("expert/") for k in from_step_2) == len(TINY_MOE_LAYERS)
         for key, tensor in rank["loaded"].items():
             if parse_unit(key).key in from_step_2:
-                assert torch.equal(tensor, rank["captured"][key]), key
+                assert torch.equal(tensor, rank["captured"][2][key]), key
     for rank in ranks:  # a rank's slot holds its half of each unit (and the scalar steps), not whole units
         assert rank["slot_bytes"] == pytest.approx(rank["whole_bytes"] / 2, rel=0.01)
     print(f"fsdp2 slot bytes per rank {[r['slot_bytes'] for r in ranks]}; its units whole {ranks[0]['whole_bytes']}")
+
+
+@pytest.mark.slow
+def test_fsdp2_recovers_each_part_from_its_newest_slot_under_each_pec_scope(
+    under_scope: tuple[str, list[dict]]
+) -> None:
+    """Under ``pec_scope=optimizer``/``weights`` each rank's slots hold its pieces of 2 experts per MoE layer whole and
+    of the other experts' non-PEC part (about half the bytes of those units and parts). A fresh model takes each part
+    of each expert from its newest slot, bitwise: the non-PEC part of every expert from step 2, the PEC part from the
+    step that snapshotted the expert whole (1 or 2), else it is lost."""
+    scope, ranks = under_scope[0], [rank["memory"] for rank in under_scope[1]]
+    other = "weights" if scope == "optimizer" else "optimizer"
+    for rank in ranks:
+        report = rank["report"]
+        assert report.resume_step == 2
+        experts = {unit: source for unit, source in report.sources.items() if unit.startswith("expert/")}
+        non_pec = {(s["parts"][other]["level"], s["parts"][other]["step"]) for s in experts.values()}
+        assert non_pec == {("memory_local", 2)}
+        snapshotted = rank["snapshotted"]
+        assert {s["parts"][scope]["step"] for s in experts.values()} == {NEVER, 1, 2}
+        for unit, source in experts.items():
+            newest = max((step for step in (1, 2) if unit in snapshotted[step]), default=NEVER)
+            assert source["parts"][scope]["step"] == newest, f"{unit}'s {scope} part is its newest slot's"
+        for key, tensor in rank["loaded"].items():
+            step = source_step(report.sources, key)
+            if step != NEVER:
+                assert torch.equal(tensor, rank["captured"][step][key]), f"{key} is not its version of step {step}"
+        assert rank["slot_bytes"] == pytest.approx(rank["whole_bytes"] / 2, rel=0.01)
+    print(f"fsdp2 pec_scope={scope} slot bytes per rank {[r['slot_bytes'] for r in ranks]}; "
+          f"its units and parts whole {ranks[0]['whole_bytes']}")
 
 
 class _RecordPieces(L.Callback):

@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from lightning_run import Recorder, check_sources, fit_or_crash, moc_config
-from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
+from test_checkpointer import check_round_trip
+from trainee import TINY, Trainee, every_step_config, load_fresh, train_and_checkpoint
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.parts import part_of
 from moc_lightning.size_model import size_model
-from moc_lightning.units import ExpertUnit, parse_unit
 
 SCOPES = ("both", "optimizer", "weights")
 """Under ``optimizer`` and ``weights`` the scope names the part of an expert that only K experts per layer get."""
@@ -57,26 +55,7 @@ def test_storage_round_trip_restores_each_part_from_its_step_and_counts_plt_by_h
     """Checkpoints at steps 2 and 4 (K=4 of 8, disjoint): dense units and each expert's non-PEC part come from
     step 4; the PEC part of an expert not taken at step 4 from step 2, and its tokens of steps 3-4 are lost."""
     url = tmp_path.as_uri()
-    written = train_and_checkpoint(0, 1, url, pec_scope=scope)
-    captured, counts, assigned = written["captured"], written["counts"], written["assigned"]
-    saved = {step: set(units) for step, units in written["saved"].items()}
-    assert not saved[2] & saved[4]
-
-    fresh = Trainee(ExpertParallelTopology(), seed=1)
-    load = fresh.engine(every_step_config(4, 4, pec_scope=scope), url).load_latest()
-    loaded = fresh.snapshot()
-    assert load.resume_step == 4
-    for key, tensor in loaded.items():
-        unit = parse_unit(key).key
-        stale = unit.startswith("expert/") and unit not in saved[4] and (scope == "both" or part_of(key) == scope)
-        assert torch.equal(tensor, captured[2 if stale else 4][key]), f"{key} is not its version of step {2 if stale else 4}"
-    assert load.sources == {u: (2 if u.startswith("expert/") and u not in saved[4] else 4) for u in load.sources}
-    per_layer = []
-    for layer in range(2):
-        lost = sum(int(counts[s - 1][layer][e]) for s in (3, 4) for e in range(TINY.num_experts)
-                   if ExpertUnit(layer, e).key not in saved[4])
-        per_layer.append(lost / sum(assigned[s - 1][layer] for s in (1, 2, 3, 4)))
-    assert load.plt == pytest.approx(sum(per_layer) / len(per_layer), rel=1e-12) and load.plt > 0
+    check_round_trip(train_and_checkpoint(0, 1, url, pec_scope=scope) | load_fresh(0, 1, url), scope)
 
 
 def _config(tmp_path: Path, scope: str) -> CheckpointConfig:

@@ -101,7 +101,24 @@ def test_hsdp_replicas_of_a_piece_stand_in_for_each_other() -> None:
     plan = plan_recovery(DENSE, EXPERTS, slots, manifest, holders)
     assert plan.resume_step == 20
     assert plan.unit_source("expert/L0/E1") == plan.unit_source("dense/a") == Source("memory", 20, pieces=True)
-    assert piece_donors("dense/a", 20, slots, holders["dense/a"]) == {2: 0}
-    assert piece_donors("dense/a", 20, [*slots, _slot(2, 0, 20, units)], holders["dense/a"]) == {}
+    assert piece_donors("dense/a/weights", 20, slots, holders["dense/a"]) == {2: 0}
+    assert piece_donors("dense/a/optimizer", 20, [*slots, _slot(2, 0, 20, units)], holders["dense/a"]) == {}
     lost = plan_recovery(DENSE, EXPERTS, [s for s in slots if s.rank == 0], manifest, holders)
     assert lost.resume_step == 10 and lost.unit_source("expert/L0/E1") == Source("none", NEVER)
+
+
+def test_hsdp_replicas_stand_in_for_a_part_held_in_pieces() -> None:
+    """HSDP under ``pec_scope=optimizer``: the slots of step 20 hold E1 whole and only the weights of E2, in pieces
+    (ranks 0 and 2 one piece, 1 and 3 the other). Rank 2 lost its slots: E2's weights still come from memory, rank 0
+    sending rank 2 its piece; E2's optimizer state, in no slot, from storage."""
+    holders = {unit: ((0, 2), (1, 3)) for unit in DENSE + EXPERTS}
+    manifest = _manifest((10, DENSE + ["expert/L0/E2"]))
+    slots = [
+        SlotInventory(rank, 0, 20, frozenset(DENSE + ["expert/L0/E1"]), frozenset({"expert/L0/E2/weights"}))
+        for rank in (0, 1, 3)
+    ]
+    plan = plan_recovery(DENSE, EXPERTS, slots, manifest, holders)
+    assert plan.resume_step == 20
+    assert plan.sources["expert/L0/E2/weights"] == Source("memory", 20, pieces=True)
+    assert plan.sources["expert/L0/E2/optimizer"] == Source("storage", 10, checkpoint="step_10")
+    assert piece_donors("expert/L0/E2/weights", 20, slots, holders["expert/L0/E2"]) == {2: 0}

@@ -121,13 +121,14 @@ def train_and_checkpoint(
 ) -> dict:
     """Six steps with PEC checkpoints (K=4 of 8, ``pec_scope``) at steps 2 and 4, which save disjoint expert subsets.
 
-    ``captured``: this rank's tensors at each checkpoint (local pieces under ``fsdp2``); under ``fsdp2`` also
+    ``captured``: this rank's tensors at each checkpoint (local pieces under ``fsdp2``), ``reports`` what each
+    checkpoint wrote; under ``fsdp2`` also
     ``captured_full``, the whole tensors (all-gathered for the test's oracle). ``shard_size``: HSDP's (with
     ``fsdp2``); each checkpoint runs inside ``guard()`` (a test's tripwire)."""
     topology = ExpertParallelTopology.from_process_group(ep if world_size > 1 else None)
     trainee = Trainee(topology, zero=zero, fsdp2=fsdp2, shard_size=shard_size)
     engine = trainee.engine(every_step_config(4, 4, storage=StorageConfig(backend=backend), pec_scope=pec_scope), url)
-    captured, full, saved = {}, {}, {}
+    captured, full, saved, reports = {}, {}, {}, {}
     for step in range(1, 7):
         trainee.step(step)
         engine.record_tokens(trainee.model.moe_layers())
@@ -138,7 +139,10 @@ def train_and_checkpoint(
             if fsdp2:
                 full[step] = trainee.full_snapshot()
             saved[step] = [u for u in report.units if u.startswith("expert/")]
-    result = {"captured": captured, "saved": saved, "counts": trainee.counts, "assigned": trainee.assigned}
+            reports[step] = report
+    result = {
+        "captured": captured, "saved": saved, "reports": reports, "counts": trainee.counts, "assigned": trainee.assigned
+    }
     return result | ({"captured_full": full} if fsdp2 else {})
 
 
