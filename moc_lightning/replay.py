@@ -30,6 +30,15 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
   norm must see the frozen units' gradients as the fault-free iteration did. A stacked parameter ``[E, ...]``
   whose experts are only partly frozen cannot drop one slice's gradient; it is stepped whole, and its frozen
   slices are overwritten (by the next captured weights, then by their full state) before anything reads them.
+- **Under ZeRO-2** (:mod:`moc_lightning.zero`) only a unit's *owner* keeps its optimizer state, so a rank's
+  captures hold what it has (:meth:`Layout.tensors`): the full state on the owner, weights and buffers on the
+  other holders, which is all a holder needs, since the owner steps the unit and broadcasts its weights. The
+  owner's step broadcasts every weight it owns, frozen ones too: those are the weights of i-1 that every holder
+  copied in before the forward, unchanged, and whatever a step leaves in a frozen unit is overwritten before a
+  forward reads it, as above. What must hold is that the holders of a unit agree on ``t_u``: a holder training
+  the unit while its owner still holds it frozen would receive the owner's unstepped weights. The schedule is a
+  function of unit sizes, which :meth:`~moc_lightning.zero.ZeroAdamW.state_nbytes` gives every holder equally
+  (the driver checks the ranks agree).
 - Gradients are set to ``None`` before each replayed iteration and after the replay, as
   ``zero_grad(set_to_none=True)`` does: the fault-free training loop must do the same, or a parameter
   without gradient in some iteration (an expert that got no token) would be stepped on a zero gradient in

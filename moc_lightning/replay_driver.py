@@ -11,7 +11,8 @@ window's first iteration (those its second one used); and the trainer state afte
 
 Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a window
 completes, each rank hands its own (its units, batches and RNG streams; under DDP every rank keeps the replicated
-units too, the simplest correct choice) to :class:`~moc_lightning.window_store.WindowStore`, which places it in
+units too, the simplest correct choice; under ZeRO-2 what it holds of them, :mod:`moc_lightning.replay` says why
+that suffices) to :class:`~moc_lightning.window_store.WindowStore`, which places it in
 node-local shared memory and then in storage off the training thread; on resume the ranks agree on the newest
 window every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
 
@@ -26,8 +27,12 @@ rank replays the same iterations, so the collectives of a step (DDP's all-reduce
 and gradient reduction, a global-norm clipping) pair up as they did. With 2 ranks an all-reduce sums in one order
 only; with more, the sum's order may depend on DDP's buckets, which a new process builds afresh (not yet checked).
 
-This slice supports ``trainer.data_parallel=ddp`` (one process or several, with or without expert parallelism)
-at precision ``32-true`` or ``bf16-mixed`` (:func:`check_supported`).
+This slice supports ``trainer.data_parallel=ddp`` and ``zero2`` (one process or several, with or without expert
+parallelism) at the precisions of :data:`PRECISIONS` (:func:`check_supported`), but not at a bf16 precision with
+expert parallelism replicated over several EP groups (:func:`check_trainer`); ``fsdp2`` and ``hsdp`` are refused by
+name. The ranks' schedules must agree on the dense units (:func:`check_same`, once per run): under
+ZeRO-2 a unit's holders train it from the same offset on, or a holder training it would receive its owner's frozen
+weights.
 """
 
 from __future__ import annotations
@@ -47,30 +52,41 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from moc_lightning import trainer_state
+from moc_lightning.agreement import check_same
 from moc_lightning.layout import Layout
 from moc_lightning.lineage import Lineage
 from moc_lightning.replay import Replay, WindowRecord
 from moc_lightning.replay_memory import WINDOWS_KEPT, window_plan
-from moc_lightning.units import parse_unit
+from moc_lightning.units import DenseUnit, parse_unit
+from moc_lightning.zero import ZeroAdamW
+
+PRECISIONS: dict[str, tuple[str, ...]] = {
+    "ddp": ("32-true", "bf16-mixed"),
+    "zero2": ("32-true", "bf16-mixed", "bf16-true"),
+}
+"""``trainer.data_parallel`` modes a replay repeats bitwise, each with the Lightning precisions it was checked at: fp32
+weights (the logged compute weights are the fp32 weights), ``bf16-mixed`` (the autocast that the strategy's
+``training_step`` enters as Lightning's loop does) and, under ``zero2``, ``bf16-true`` (bf16 weights logged as the
+forward reads them, the fp32 masters in the owner's optimizer state). ``fsdp2`` and ``hsdp`` are not replayed yet."""
 
 SUPPORTED = (
-    "checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp (Lightning's DDPStrategy, or one device) at "
-    "precision 32-true or bf16-mixed, automatic optimization with one torch.optim optimizer, "
+    "checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp at precision 32-true or bf16-mixed and "
+    "trainer.data_parallel=zero2 at precision 32-true, bf16-mixed or bf16-true (Lightning's DDPStrategy, or one "
+    "device; not fsdp2 or hsdp yet), automatic optimization with one torch.optim optimizer (or zero2's ZeroAdamW), "
     "accumulate_grad_batches=1, LR schedulers stepped every step, and a module that keeps Lightning's optimizer_step, "
     "optimizer_zero_grad and backward; use checkpoint.mode=pec otherwise"
 )
 
-PRECISIONS = ("32-true", "bf16-mixed")
-"""Lightning precisions a replay repeats: fp32 weights (the logged compute weights are the fp32 masters) and, under
-``bf16-mixed``, the autocast that the strategy's ``training_step`` enters as Lightning's loop does."""
-
 
 def check_supported(precision: str, data_parallel: str = "ddp") -> None:
     """Refuse what this slice of replay mode does not support yet, before training (the recipe and the callback)."""
-    if data_parallel != "ddp":
+    if data_parallel not in PRECISIONS:
         raise ValueError(f"checkpoint.mode=replay with trainer.data_parallel={data_parallel}: {SUPPORTED}")
-    if str(precision) not in PRECISIONS:
-        raise ValueError(f"checkpoint.mode=replay with trainer.precision={precision!r}: {SUPPORTED}")
+    if str(precision) not in PRECISIONS[data_parallel]:
+        raise ValueError(
+            f"checkpoint.mode=replay with trainer.precision={precision!r} and trainer.data_parallel={data_parallel}: "
+            f"{SUPPORTED}"
+        )
 
 
 def check_strategy(trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -87,9 +103,11 @@ def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
     stepped once per step (:func:`check_strategy` ran at ``setup``)."""
     problems = []
     topology = getattr(module, "expert_topology", None)
-    if str(trainer.precision) == "bf16-mixed" and topology is not None and 1 < topology.ep < topology.world_size:
-        # measured: 4 ranks at ep=2 end a replay with expert tensors a few ulps off (2 ranks at ep=1 or 2 are exact)
-        problems.append(f"precision bf16-mixed with expert parallelism ep={topology.ep} replicated over "
+    if str(trainer.precision).startswith("bf16") and topology is not None and 1 < topology.ep < topology.world_size:
+        # measured: 4 ranks at ep=2 end a replay off the uninterrupted run, in bf16-mixed (ddp: expert tensors a few
+        # ulps off) and in bf16-true (zero2, the window from step 0: every dense tensor off); 2 ranks at ep=1 or 2,
+        # 4 ranks at ep=1 in bf16-true and 4 ranks at ep=2 in fp32 are exact
+        problems.append(f"precision {trainer.precision} with expert parallelism ep={topology.ep} replicated over "
                         f"{topology.world_size // topology.ep} EP groups (not bitwise yet)")
     if trainer.accumulate_grad_batches != 1:
         problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
@@ -100,7 +118,9 @@ def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
             problems.append(f"{type(module).__name__}.{hook} overridden")
     if len(trainer.optimizers) != 1:
         problems.append(f"{len(trainer.optimizers)} optimizers")
-    elif not type(trainer.optimizers[0]).__module__.startswith("torch.optim"):
+    elif type(trainer.optimizers[0]) is not ZeroAdamW and not type(trainer.optimizers[0]).__module__.startswith(
+        "torch.optim"
+    ):
         problems.append(f"optimizer {type(trainer.optimizers[0]).__name__} (not a torch.optim one)")
     for config in trainer.lr_scheduler_configs:
         if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
@@ -208,6 +228,10 @@ class WindowCapture:
         if t == 0:
             if log is None:
                 schedule, _ = window_plan(layout, self.window)  # the plan the memory report sized
+                check_same(
+                    {u.key: t for u, t in schedule.items() if isinstance(u, DenseUnit)},
+                    "the replay window's offsets of the dense units",
+                )
                 log = self.logs[k % WINDOWS_KEPT] = WindowLog(WindowRecord(schedule, self.window))
             log.start_step, log.iterations, log.trainer_state = step, [], None
             log.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]

@@ -1,10 +1,10 @@
-"""``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` on 2 and 4 ranks (gloo, CPU), with and without
-expert parallelism: after a crash at a random step (and, in some cases, a rank's lost shared memory or storage
-write), a new Trainer on every rank agrees on the newest window that all ranks have, replays it together through
-the DDP-wrapped ``training_step``, and every rank lands bitwise on the uninterrupted run's state (every parameter,
-buffer and optimizer tensor), then trains on bitwise identically to ``max_steps``. The resume runs in the crashed
-fit's processes (a spawn costs tens of seconds on the test machine); nothing of the crashed Trainer, module or
-optimizer carries over."""
+"""``checkpoint.mode=replay`` under ``trainer.data_parallel=ddp`` and ``zero2`` on 2 and 4 ranks (gloo, CPU), with
+and without expert parallelism: after a crash at a random step (and, in some cases, a rank's lost shared memory or
+storage write), a new Trainer on every rank agrees on the newest window that all ranks have, replays it together
+through the DDP-wrapped ``training_step``, and every rank lands bitwise on the uninterrupted run's state (every
+parameter, buffer and optimizer tensor it holds: under ``zero2`` a unit's optimizer state is on its owner only), then
+trains on bitwise identically to ``max_steps``. The resume runs in the crashed fit's processes (a spawn costs tens of
+seconds on the test machine); nothing of the crashed Trainer, module or optimizer carries over."""
 
 from __future__ import annotations
 
@@ -104,24 +104,28 @@ def _config(root: Path) -> CheckpointConfig:
     return moc_config(root, mode="replay", replay=ReplayConfig(window=WINDOW))
 
 
-def _fit(root: Path, devices: int, ep: int, callbacks: list[L.Callback], **kw: Any) -> MoCCheckpoint:
+def _fit(
+    root: Path, devices: int, ep: int, data_parallel: str, callbacks: list[L.Callback], **kw: Any
+) -> MoCCheckpoint:
     moc = MoCCheckpoint(_config(root))
     callbacks = [moc, RankSeed(), *callbacks]
     trainer = cpu_trainer(root / "run", MAX_STEPS, callbacks, devices=devices, gradient_clip_val=CLIP, **kw)
-    trainer.fit(GPTMoEModule(NOISY, ep=ep, seed=0), datamodule=datamodule(NOISY), ckpt_path=moc.resume_target())
+    module = GPTMoEModule(NOISY, ep=ep, seed=0, data_parallel=data_parallel)
+    trainer.fit(module, datamodule=datamodule(NOISY), ckpt_path=moc.resume_target())
     return moc
 
 
 def _runs(
-    rank: int, world_size: int, root: str, ep: int, crash: int, fault: str, precision: str
+    rank: int, world_size: int, root: str, ep: int, crash: int, fault: str, precision: str, data_parallel: str
 ) -> dict[str, Any]:
     """The uninterrupted run (its state at every window's end and at ``max_steps``); a run that crashes after step
     ``crash`` on every rank, then ``fault`` (:data:`FAULTS`); its resume in a new Trainer (the state as its first
     step begins, the windows in storage then, and the state at ``max_steps``)."""
     straight = Recorder(at=(*range(WINDOW, MAX_STEPS, WINDOW), MAX_STEPS), model=NOISY)
-    _fit(Path(root) / "straight", world_size, ep, [straight], precision=precision)
+    _fit(Path(root) / "straight", world_size, ep, data_parallel, [straight], precision=precision)
     try:
-        _fit(Path(root) / "faulty", world_size, ep, [Recorder(crash_after=crash, model=NOISY)], precision=precision)
+        crashing = Recorder(crash_after=crash, model=NOISY)
+        _fit(Path(root) / "faulty", world_size, ep, data_parallel, [crashing], precision=precision)
     except Crash:
         pass
     faulty = Path(root) / "faulty"
@@ -132,7 +136,7 @@ def _runs(
     torch.distributed.barrier()
     resumed = FirstStep(at=(MAX_STEPS,), model=NOISY)
     logger = CSVLogger(Path(root) / "faulty" / "logs", name="", version="")
-    moc = _fit(Path(root) / "faulty", world_size, ep, [resumed], logger=logger, precision=precision)
+    moc = _fit(Path(root) / "faulty", world_size, ep, data_parallel, [resumed], logger=logger, precision=precision)
     return {
         "straight": straight.states,
         "report": asdict(moc.replay_report) if moc.replay_report is not None else None,
@@ -150,20 +154,27 @@ def _differing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> l
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "ep", "fault", "precision"),
+    ("world_size", "ep", "fault", "precision", "data_parallel"),
     [
-        (2, 1, "crash", "32-true"),
-        (2, 2, "crash", "bf16-mixed"),
-        (4, 2, "rank1_lost_its_newest_window", "32-true"),
-        (2, 1, "rank1_node_lost_rank0_write_lost", "32-true"),
+        (2, 1, "crash", "32-true", "ddp"),
+        (2, 2, "crash", "bf16-mixed", "ddp"),
+        (4, 2, "rank1_lost_its_newest_window", "32-true", "ddp"),
+        (2, 1, "rank1_node_lost_rank0_write_lost", "32-true", "ddp"),
+        (2, 1, "crash", "32-true", "zero2"),
+        (2, 2, "crash", "bf16-true", "zero2"),
+        (2, 1, "rank1_node_lost_rank0_write_lost", "bf16-mixed", "zero2"),
+        (4, 2, "crash", "32-true", "zero2"),
+        (4, 1, "crash", "bf16-true", "zero2"),
     ],
     ids=[
         "2_ranks_ddp", "2_ranks_ep2_bf16_mixed", "4_ranks_ep2_rank1_lost_its_newest_window",
-        "2_ranks_rank1_node_lost_rank0_write_lost",
+        "2_ranks_rank1_node_lost_rank0_write_lost", "2_ranks_zero2",
+        "2_ranks_zero2_ep2_bf16_true", "2_ranks_zero2_bf16_mixed_rank1_node_lost_rank0_write_lost",
+        "4_ranks_zero2_ep2", "4_ranks_zero2_bf16_true",
     ],
 )
 def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state(
-    tmp_path: Path, world_size: int, ep: int, fault: str, precision: str
+    tmp_path: Path, world_size: int, ep: int, fault: str, precision: str, data_parallel: str
 ) -> None:
     """``rank1_lost_its_newest_window``: the ranks agree on the window before the newest. With rank 1's node lost
     and rank 0's newest storage write lost, every rank still has the newest window (rank 0 in memory, rank 1 in
@@ -172,7 +183,8 @@ def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state
     crash = _crash_step(WINDOW + 1 if fault == "crash" else 2 * WINDOW)  # two windows before a lost one
     print(f"{fault}: {FAULTS[fault]}")
     ranks = run_ranks(
-        _runs, world_size, tmp_path, str(tmp_path), ep, crash, fault, precision, init_process_group=False
+        _runs, world_size, tmp_path, str(tmp_path), ep, crash, fault, precision, data_parallel,
+        init_process_group=False,
     )
 
     resume_step = _newest_end(crash) - (WINDOW if lose_newest else 0)
@@ -190,7 +202,7 @@ def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state
     assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
 
 
-@pytest.mark.parametrize("data_parallel", ["zero2"])
+@pytest.mark.parametrize("data_parallel", ["fsdp2", "hsdp"])
 def test_replay_refuses_a_data_parallel_mode_it_cannot_replay_by_name(tmp_path: Path, data_parallel: str) -> None:
     recorder = Recorder()
     moc = MoCCheckpoint(_config(tmp_path))
