@@ -159,20 +159,28 @@ class WindowRecord:
         if t != self.captured:
             raise ValueError(f"replay captures go 0, 1, ..., {self.window - 1} in order; got offset {t} after "
                              f"{self.captured} captured")
-        copied = 0
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for unit in (u for u, tu in self.schedule.items() if tu == t):
-            self.full[unit] = {key: self._stash(-1, key, tensor) for key, tensor in layout.tensors([unit]).items()}
-            copied += sum(b.numel() * b.element_size() for b in self.full[unit].values())
-        frozen = [u for u, tu in self.schedule.items() if tu > t]
-        self.logged.append({key: self._stash(t, key, tensor) for key, tensor in layout.model_tensors(frozen).items()})
-        return copied + sum(b.numel() * b.element_size() for b in self.logged[t].values())
+            state = layout.tensors([unit])  # read live: a unit's optimizer state appears at its first token
+            self.full[unit] = {key: self._buffer(-1, key, tensor) for key, tensor in state.items()}
+            targets += self.full[unit].values()
+            sources += state.values()
+        frozen = layout.model_tensors([u for u, tu in self.schedule.items() if tu > t])
+        self.logged.append({key: self._buffer(t, key, tensor) for key, tensor in frozen.items()})
+        targets += self.logged[t].values()
+        sources += frozen.values()
+        if targets:  # one call for the whole capture rather than a dispatch per tensor (the last offset may have none)
+            torch._foreach_copy_(targets, sources)
+        return sum(b.numel() * b.element_size() for b in targets)
 
-    def _stash(self, t: int, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy ``tensor`` into its reused buffer (``t = -1`` for full states: each unit's is taken once a window)."""
+    def _buffer(self, t: int, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The reused buffer ``tensor`` is copied into (``t = -1`` for full states: each unit's is taken once a
+        window), made anew when the live tensor's shape or dtype changed."""
         buffer = self._buffers.get((t, key))
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = self._buffers[(t, key)] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-        return buffer.copy_(tensor)
+        return buffer
 
 
 def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) -> None:
