@@ -66,6 +66,7 @@ from moc_lightning.read_speed import read_through
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
 from moc_lightning.sealed import checksum, seal, unseal
 from moc_lightning.storage import CheckpointStorage
+from moc_lightning.storage.objects import LocalObjects
 
 STORAGE_COPIES = 3
 """Storage objects per rank, alternating by window index (module docstring: why 3, not 2)."""
@@ -110,13 +111,10 @@ class Objects(Protocol):
     def delete(self, name: str) -> None: ...
 
 
-class MemoryFiles:
+class MemoryFiles(LocalObjects):
     """Objects as files in the rank's folder of node-local shared memory: replaced atomically (a reader sees the old
     bytes or the new), never fsynced: shared memory does not outlive the node, so there is nothing to make durable,
     and an fsync where the root is a disk would only slow the background thread before the storage write."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
 
     def put(self, name: str, data: bytes) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -128,15 +126,6 @@ class MemoryFiles:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-
-    def get(self, name: str) -> bytes | None:
-        try:
-            return (self.root / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def delete(self, name: str) -> None:
-        (self.root / name).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
