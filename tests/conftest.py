@@ -12,10 +12,29 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import xdist  # noqa: E402
 import torch  # noqa: E402
 from quick_bench import BenchRun, run_quick_bench  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``--dist loadgroup`` pytest-xdist (up to 3.8) sends a group to one worker by suffixing the id of every
+    test with an ``xdist_group`` mark; from pytest 9.2 on it sets an attribute that pytest no longer reads, so every
+    group silently splits: the expensive fixtures (the quick benchmark, the 4-rank HSDP checkpoints) ran once per
+    worker and the suite grew by minutes. Stop before collecting instead."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    if _release(pytest.__version__) >= (9, 2) and _release(xdist.__version__) <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: --dist loadgroup would not group the "
+            "tests marked xdist_group; install the pinned versions (requirements/constraints.txt, `make setup`)"
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2])
 
 
 @pytest.fixture(scope="session")
