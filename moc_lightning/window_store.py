@@ -208,8 +208,10 @@ class Place:
             log, _ = WindowLog.from_bytes(data)
         else:
             try:
-                nbytes, crc = read_through(self.local, crc=True) if self.source == "storage" else (
-                    self.local.stat().st_size, None)
+                if self.source == "storage":
+                    nbytes, crc = read_through(self.local, crc=True)
+                else:
+                    nbytes, crc = self.local.stat().st_size, None
             except FileNotFoundError:
                 raise ValueError("the window is missing beside its head") from None
             self._check(nbytes, crc, head)
@@ -378,6 +380,7 @@ class WindowStore:
         """Serialise ``log`` into shared memory, replacing the previous window, then write the same bytes to
         storage; each with its head."""
         data = log.to_bytes(lineage)
-        head = WindowHead.of(log, lineage, data).to_bytes()
-        self._place("memory").write(data, head)
-        self._place("storage", log.start_step // log.record.window).write(data, head)
+        head = WindowHead.of(log, lineage, data)
+        sealed = head.to_bytes()
+        self._place("memory").write(data, sealed)
+        self._place("storage", head.index).write(data, sealed)
