@@ -1,10 +1,20 @@
-"""Run a function on N local ranks (gloo on CPU) and collect what each rank returns."""
+"""Run a function on N local ranks (gloo on CPU) and collect what each rank returns.
+
+The ranks are forked from a fork server that has already imported torch, Lightning and moc_lightning, so a rank
+starts in well under a second instead of paying several seconds of imports (most of a multi-process test's time on
+2 cores). Not forked from the test process itself: that one has run other tests' threads (tensorstore aborts a forked
+child that uses it, and OpenMP's pool does not survive a fork). A rank gets what a spawned one would inherit from the
+test at the call: its environment, working directory (``multiprocessing`` passes that one), and standard output and
+error (pytest's capture of this test, not the one under which the fork server started).
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +29,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, init: bool, args: tuple) -> None:
+PRELOAD = ["torch", "torch.distributed.checkpoint", "lightning", "moc_lightning.callback", "moc_lightning.models.lightning"]
+"""Imported once by the fork server (not tensorstore's threads: it is imported there, but first used in a rank)."""
+
+
+class _Caller:
+    """The test's environment and standard output and error, carried to a rank the fork server starts."""
+
+    def __init__(self, env: dict[str, str], fds: Sequence[Any] = (1, 2)) -> None:
+        self.env = env
+        self.fds = fds
+
+    def __reduce__(self) -> tuple:
+        """Pickled while a rank is launched, so the file descriptors travel with it."""
+        return (_Caller, (self.env, tuple(reduction.DupFd(fd) for fd in self.fds)))
+
+    def enter(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        for target, fd in zip((1, 2), self.fds):
+            os.dup2(fd.detach(), target)
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, init: bool, args: tuple, caller: _Caller) -> None:
+    caller.enter()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,12 +73,18 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out: str, init: 
 
 
 def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, init_process_group: bool = True) -> list[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return their results by rank.
+    """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; return their results by rank.
 
     With ``init_process_group=False`` the ranks only get torchrun's environment variables, so a Lightning
     Trainer inside ``fn`` sets the process group up itself, as under ``torchrun``.
     """
     out = tmp_path / "rank_results"
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_entry, args=(fn, world_size, free_port(), str(out), init_process_group, args), nprocs=world_size)
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    mp.start_processes(
+        _entry,
+        args=(fn, world_size, free_port(), str(out), init_process_group, args, _Caller(dict(os.environ))),
+        nprocs=world_size,
+        start_method="forkserver",
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
