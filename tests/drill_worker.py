@@ -1,14 +1,21 @@
-"""One worker of a fault drill, run under ``torchrun``: 4 ranks, EP=2, 2 simulated nodes of 2 ranks.
+"""A fault drill's job: 4 ranks, EP=2, 2 simulated nodes of 2 ranks, under torch's elastic agent with one restart.
 
-Besides training with ``MoCCheckpoint`` it records, independently of MoC, what a test needs to check a
+Besides training with ``MoCCheckpoint`` each rank records, independently of MoC, what a test needs to check a
 recovery: every rank's full state (weights and optimizer) at each snapshot step, the global router counts
 of every step, and the state right after a resume.
+
+``python tests/drill_worker.py --out DIR ...`` is ``torchrun --standalone --nproc-per-node=4 --max-restarts=1`` of
+the training, through the same agent (``elastic_launch``), except that the ranks of each incarnation are forked from
+a fork server that imported Lightning and moc_lightning once: the 8 processes of a drill would otherwise spend most
+of its time importing on 2 cores. ``recipes/fault_drill.py`` runs the drills the torchrun way.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, ReplayConfig, StorageConfig
@@ -25,6 +33,7 @@ from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 
 MODEL = GPTMoEConfig(block_size=32)
+RANKS = 4
 
 
 class Capture(L.Callback):
@@ -71,7 +80,7 @@ class Capture(L.Callback):
             )
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-steps", type=int, default=30)
@@ -83,7 +92,27 @@ def main() -> None:
     parser.add_argument("--pec-scope", default="both")
     parser.add_argument("--mode", default="pec", help="checkpoint.mode")
     parser.add_argument("--window", type=int, default=5, help="checkpoint.replay.window (with --mode replay)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def launch(args: argparse.Namespace) -> None:
+    """``torchrun --standalone --nproc-per-node=4 --max-restarts=1`` of :func:`train`, ranks from a fork server."""
+    multiprocessing.set_forkserver_preload(["lightning", "moc_lightning.callback", "moc_lightning.models.lightning"])
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=RANKS,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=1,
+        start_method="forkserver",
+    )
+    elastic_launch(config, train)(args)
+
+
+def train(args: argparse.Namespace) -> None:
+    """One rank of one incarnation: fit with MoC (resuming what it finds) and the independent capture."""
     torch.set_num_threads(1)
     config = CheckpointConfig(
         mode=args.mode,
@@ -105,7 +134,7 @@ def main() -> None:
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=RANKS,
         strategy=(
             ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1) if args.data_parallel in ("fsdp2", "hsdp")
             else DDPStrategy(process_group_backend="gloo")
@@ -122,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    launch(parse())

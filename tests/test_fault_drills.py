@@ -1,4 +1,4 @@
-"""Fault drills: 4 ranks (2 simulated nodes of 2) under torchrun --max-restarts=1, a SIGKILLed rank.
+"""Fault drills: 4 ranks (2 simulated nodes of 2) under torch's elastic agent with one restart, a SIGKILLed rank.
 
 Every drill checks the recovery against what ``drill_worker.Capture`` recorded independently of MoC: each
 restored tensor is bitwise the version captured at the step its source claims, and the reported PLT equals
@@ -45,8 +45,7 @@ def launch_drill(
     """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
-        "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
+        sys.executable, "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
         "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY), "--data-parallel", data_parallel,
         "--pec-scope", pec_scope, "--mode", mode, "--window", str(EVERY),
     ]  # fmt: skip
