@@ -1,16 +1,14 @@
 """Run a function on N local ranks (gloo on CPU) and collect what each rank returns.
 
-The ranks are forked from a fork server that has already imported torch, Lightning and moc_lightning, so a rank
-starts in well under a second instead of paying several seconds of imports (most of a multi-process test's time on
-2 cores). Not forked from the test process itself: that one has run other tests' threads (tensorstore aborts a forked
-child that uses it, and OpenMP's pool does not survive a fork). A rank gets what a spawned one would inherit from the
-test at the call: its environment, working directory (``multiprocessing`` passes that one), and standard output and
-error (pytest's capture of this test, not the one under which the fork server started).
+The ranks are forked from a fork server that has already imported torch, Lightning and moc_lightning
+(:mod:`moc_lightning.launch` says why a server and not the test process), so a rank starts in well under a second
+instead of paying several seconds of imports, most of a multi-process test's time on 2 cores. A rank gets what a
+spawned one would inherit from the test at the call: its environment, working directory (``multiprocessing`` passes
+that one), and standard output and error (pytest's capture of this test, not the one the fork server started under).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -22,15 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moc_lightning.launch import preload_fork_server
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PRELOAD = ["torch", "torch.distributed.checkpoint", "lightning", "moc_lightning.callback", "moc_lightning.models.lightning"]
-"""Imported once by the fork server (not tensorstore's threads: it is imported there, but first used in a rank)."""
 
 
 class _Caller:
@@ -80,7 +76,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_path: Path, *args: Any, init_pr
     """
     out = tmp_path / "rank_results"
     out.mkdir(parents=True, exist_ok=True)
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    preload_fork_server()
     mp.start_processes(
         _entry,
         args=(fn, world_size, free_port(), str(out), init_process_group, args, _Caller(dict(os.environ))),

@@ -5,17 +5,15 @@ recovery: every rank's full state (weights and optimizer) at each snapshot step,
 of every step, and the state right after a resume.
 
 ``python tests/drill_worker.py --out DIR ...`` is ``torchrun --standalone --nproc-per-node=4 --max-restarts=1`` of
-the training, through the same agent (``elastic_launch``), except that the ranks of each incarnation are forked from
-a fork server that imported Lightning and moc_lightning once: the 8 processes of a drill would otherwise spend most
-of its time importing on 2 cores. ``recipes/fault_drill.py`` runs the drills the torchrun way.
+the training, through the same agent, with ranks forked from a preloaded server (:func:`moc_lightning.launch.standalone`):
+the 8 processes of a drill would otherwise spend most of its time importing. ``recipes/fault_drill.py`` runs the
+drills under ``torchrun``.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +21,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, ReplayConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.launch import standalone
 from moc_lightning.layout import build_layout
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
@@ -95,22 +93,6 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def launch(args: argparse.Namespace) -> None:
-    """``torchrun --standalone --nproc-per-node=4 --max-restarts=1`` of :func:`train`, ranks from a fork server."""
-    multiprocessing.set_forkserver_preload(["lightning", "moc_lightning.callback", "moc_lightning.models.lightning"])
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=RANKS,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=1,
-        start_method="forkserver",
-    )
-    elastic_launch(config, train)(args)
-
-
 def train(args: argparse.Namespace) -> None:
     """One rank of one incarnation: fit with MoC (resuming what it finds) and the independent capture."""
     torch.set_num_threads(1)
@@ -151,4 +133,4 @@ def train(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    launch(parse())
+    standalone(train, (parse(),), RANKS, max_restarts=1)

@@ -4,7 +4,7 @@
   tensor of the training state and the ids of the samples trained on, into append-only files;
 - :mod:`~moc_lightning.chaos.checks`: pure checks over those records (restored state, data continuity,
   completion);
-- :mod:`~moc_lightning.chaos.worker`: the training job one ``torchrun`` launch runs;
+- :mod:`~moc_lightning.chaos.worker`: the training job one launch runs (``torchrun --standalone``'s agent);
 - :mod:`~moc_lightning.chaos.harness`: draws faults, runs the incarnations of a trial, applies damage and
   node losses between them, and tallies the checks.
 

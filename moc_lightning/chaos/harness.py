@@ -4,7 +4,8 @@ A trial is one training job of ``max_steps`` on 4 ranks (2 simulated nodes of 2)
 the first fault; between incarnations the harness applies what a crash leaves behind (a lost node's shared
 memory, a damaged stored file); later incarnations run without a fault (or with the trial's second kill),
 until one finishes cleanly or the restart budget runs out (a crash loop). Each incarnation is its own
-``torchrun --max-restarts=0`` under a wall-clock timeout, so a hang is a finding, never a stuck harness.
+launch (``torchrun --standalone --max-restarts=0``'s agent, :mod:`moc_lightning.chaos.worker`) under a
+wall-clock timeout, so a hang is a finding, never a stuck harness.
 
 The uninterrupted reference run (same configuration, no MoC, no fault) gives the sample ids each step must
 see; it runs once per configuration and is cached in the work directory.
@@ -168,7 +169,7 @@ def lose_node(shm_root: Path, node: int) -> str:
 def run_incarnation(
     work: Path, shm_root: Path, cfg: TrialConfig, inc: int, fault_plan: str | None, no_moc: bool = False
 ) -> dict[str, Any]:
-    """One ``torchrun`` launch; its outcome: exit code, seconds, whether it hung, the last lines of output."""
+    """One launch of the job; its outcome: exit code, seconds, whether it hung, the last lines of output."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     env[INCARNATION_ENV] = str(inc)
     env.pop("MOC_FAULT", None)
@@ -176,8 +177,7 @@ def run_incarnation(
         env["MOC_FAULT"] = fault_plan
     shutil.rmtree(work / "run" / "moc_recovery", ignore_errors=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-        "--max-restarts=0", "-m", "moc_lightning.chaos.worker", "--work", str(work), "--shm-root", str(shm_root),
+        sys.executable, "-m", "moc_lightning.chaos.worker", "--work", str(work), "--shm-root", str(shm_root),
         "--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--persist-every", str(cfg.persist_every),
         "--k-snapshot", str(cfg.k_snapshot), "--k-persist", str(cfg.k_persist), "--pg-timeout", str(cfg.pg_timeout),
         "--data-parallel", cfg.data_parallel, "--pec-scope", cfg.pec_scope,
@@ -196,7 +196,7 @@ def run_incarnation(
             hang = f"no exit within {cfg.incarnation_timeout:.0f} s"
     text = log.read_text(errors="replace")
     killed = any(mark in text for mark in ("exitcode: -9", "exitcode  : -9", "Signal 9", "SIGKILL"))
-    if hang is None and rc != 0 and not killed:  # a killed rank's peers may time out while torchrun stops them
+    if hang is None and rc != 0 and not killed:  # a killed rank's peers may time out while the agent stops them
         hang = next((f"a collective timed out: {line.strip()[:200]}" for line in text.splitlines()
                      if any(m in line for m in HANG_MARKERS) and "Error" in line), None)
     errors = [line.strip() for line in text.splitlines() if "Error" in line and "Traceback" not in line]
@@ -211,7 +211,7 @@ def run_incarnation(
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun's workers live in sessions of their own)."""
+    """Every process below ``pid`` (the ranks are children of the launch's fork server, not of the launch)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     children = [int(p) for p in out.split()]
     return [d for c in children for d in (c, *_descendants(c))]

@@ -1,6 +1,8 @@
-"""One incarnation of a chaos trial's job, run by ``torchrun`` on every rank (CPU, gloo).
+"""One incarnation of a chaos trial's job on 4 ranks (CPU, gloo), as ``torchrun --standalone`` would run it:
 
-    torchrun --standalone --nproc-per-node=4 -m moc_lightning.chaos.worker --work DIR --max-steps 24
+    python -m moc_lightning.chaos.worker --work DIR --max-steps 24
+
+(:func:`moc_lightning.launch.standalone`: torch's elastic agent, ranks forked from a preloaded server.)
 
 The tiny reference GPT-MoE (block size 32, batch 4, EP=2: 4 ranks as 2 simulated nodes of 2) trains with
 ``MoCCheckpoint`` and the :class:`~moc_lightning.chaos.oracle.Oracle`, resuming through MoC whenever
@@ -20,16 +22,18 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.chaos.harness import RANKS_PER_NODE, WORLD
 from moc_lightning.chaos.oracle import Oracle
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.launch import standalone
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 
 MODEL = GPTMoEConfig(block_size=32)
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", type=Path, required=True, help="trial directory (storage, run dir, oracle)")
     parser.add_argument("--shm-root", required=True)
@@ -42,7 +46,11 @@ def main() -> None:
     parser.add_argument("--no-moc", action="store_true", help="train without MoC (the reference run)")
     parser.add_argument("--data-parallel", default="ddp", help="trainer.data_parallel: ddp or zero2")
     parser.add_argument("--pec-scope", default="both", help="checkpoint.pec_scope: both, optimizer or weights")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def train(args: argparse.Namespace) -> None:
+    """One rank: fit with the oracle (and MoC, resuming what it finds, unless ``--no-moc``)."""
     torch.set_num_threads(1)
     callbacks: list[L.Callback] = [Oracle(args.work / "oracle")]
     moc = None
@@ -55,14 +63,14 @@ def main() -> None:
             pec_scope=args.pec_scope,
             storage=StorageConfig(url=(args.work / "ckpt").resolve().as_uri()),
             shm_root=args.shm_root,
-            ranks_per_node=2,
+            ranks_per_node=RANKS_PER_NODE,
         ))
         callbacks.append(moc)
     module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel)
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=WORLD,
         strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=args.pg_timeout)),
         max_steps=args.max_steps,
         limit_val_batches=0,
@@ -77,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    standalone(train, (parse(),), WORLD)
