@@ -86,9 +86,9 @@ class CheckpointConfig:
     versions, PLT). ``replay``: every iteration captures the full state of a rotating share of the units and the
     weights of the rest, and a recovery replays the newest complete window through the module's own
     ``training_step``, so every unit returns to its fault-free state (no lost tokens). This slice of replay runs
-    ``trainer.data_parallel=ddp`` at precision ``32-true`` or ``bf16-mixed`` and ``zero2`` at ``32-true``,
-    ``bf16-mixed`` or ``bf16-true`` (one process or several, with or without expert parallelism; see
-    :mod:`moc_lightning.replay_driver`)."""
+    every ``trainer.data_parallel`` mode: ``ddp``, ``fsdp2`` and ``hsdp`` at precision ``32-true`` or ``bf16-mixed``,
+    ``zero2`` at ``32-true``, ``bf16-mixed`` or ``bf16-true`` (one process or several, with or without expert
+    parallelism; see :mod:`moc_lightning.replay_driver`)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Replay mode's settings (read only with ``mode=replay``)."""
     k_snapshot: int = 2

@@ -229,6 +229,10 @@ class Layout:
         """The model's own tensors of ``units``: weights and buffers, no optimizer state (as in :meth:`tensors`)."""
         return {key: tensor for unit in units for key, tensor, kind in self._entries(unit) if kind != "optimizer"}
 
+    def model_pieces(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
+        """As :meth:`model_tensors`, each DTensor as this rank's local piece of it (sharing its storage)."""
+        return {key: piece(tensor) for key, tensor in self.model_tensors(units).items()}
+
     def unit_bytes(self, unit: Unit, local: bool = False) -> UnitBytes:
         """Bytes of the unit now, whole (a DTensor's global size); ``local``: of this rank's pieces of it (what
         its snapshot copies). Optimizer bytes are 0 until the optimizer has created its state."""

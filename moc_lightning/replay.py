@@ -39,6 +39,13 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
   the unit while its owner still holds it frozen would receive the owner's unstepped weights. The schedule is a
   function of unit sizes, which :meth:`~moc_lightning.zero.ZeroAdamW.state_nbytes` gives every holder equally
   (the driver checks the ranks agree).
+- **Under FSDP2 and HSDP** (:mod:`moc_lightning.pieces`) every rank holds a piece (the local shard) of every unit's
+  weights and of its optimizer state, so a rank's captures and restores are of its pieces (:meth:`Layout.pieces`,
+  :meth:`Layout.model_pieces`, :meth:`Layout.copy_in`): the logged weights written into a frozen unit's shards
+  before a forward are what FSDP2's all-gather hands every rank, and a trained unit's shard is stepped by its rank
+  alone (HSDP's replicas alike, on the same gradient). A frozen unit's gradient, reduce-scattered by the backward
+  as the fault-free iteration did, is dropped from its sharded parameter as under DDP. The schedule is planned from
+  whole units' sizes (a DTensor's global size), so every holder of a unit follows the same ``t_u``.
 - Gradients are set to ``None`` before each replayed iteration and after the replay, as
   ``zero_grad(set_to_none=True)`` does: the fault-free training loop must do the same, or a parameter
   without gradient in some iteration (an expert that got no token) would be stepped on a zero gradient in
@@ -128,9 +135,11 @@ class WindowRecord:
     device: torch.device | str = "cpu"
     """Where the copies live: host memory, as snapshots do."""
     full: dict[Unit, dict[str, torch.Tensor]] = field(default_factory=dict, init=False)
-    """Full state (:meth:`Layout.tensors` keys) of each unit captured so far in this window."""
+    """Full state (:meth:`Layout.tensors` keys; this rank's pieces of it) of each unit captured so far in this
+    window."""
     logged: list[dict[str, torch.Tensor]] = field(default_factory=list, init=False)
-    """Per offset, the weights and buffers (:meth:`Layout.model_tensors` keys) of the units frozen there."""
+    """Per offset, the weights and buffers (:meth:`Layout.model_tensors` keys; this rank's pieces of them) of the
+    units frozen there."""
     _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -162,11 +171,11 @@ class WindowRecord:
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         for unit in (u for u, tu in self.schedule.items() if tu == t):
-            state = layout.tensors([unit])  # read live: a unit's optimizer state appears at its first token
+            state = layout.pieces([unit])  # read live: a unit's optimizer state appears at its first token
             self.full[unit] = {key: self._buffer(-1, key, tensor) for key, tensor in state.items()}
             targets += self.full[unit].values()
             sources += state.values()
-        frozen = layout.model_tensors([u for u, tu in self.schedule.items() if tu > t])
+        frozen = layout.model_pieces([u for u, tu in self.schedule.items() if tu > t])
         self.logged.append({key: self._buffer(t, key, tensor) for key, tensor in frozen.items()})
         targets += self.logged[t].values()
         sources += frozen.values()

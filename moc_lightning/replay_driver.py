@@ -11,10 +11,10 @@ window's first iteration (those its second one used); and the trainer state afte
 
 Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a window
 completes, each rank hands its own (its units, batches and RNG streams; under DDP every rank keeps the replicated
-units too, the simplest correct choice; under ZeRO-2 what it holds of them, :mod:`moc_lightning.replay` says why
-that suffices) to :class:`~moc_lightning.window_store.WindowStore`, which places it in
-node-local shared memory and then in storage off the training thread; on resume the ranks agree on the newest
-window every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
+units too, the simplest correct choice; under ZeRO-2 what it holds of them, and under FSDP2/HSDP its pieces of them,
+:mod:`moc_lightning.replay` says why that suffices) to :class:`~moc_lightning.window_store.WindowStore`, which
+places it in node-local shared memory and then in storage off the training thread; on resume the ranks agree on the
+newest window every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
 
 A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``
 called through the strategy, ``on_before_backward``, ``backward``, ``on_after_backward``,
@@ -22,17 +22,20 @@ called through the strategy, ``on_before_backward``, ``backward``, ``on_after_ba
 and the step-interval LR schedulers) with the :class:`~moc_lightning.replay.Replay` hooks around it; callbacks'
 hooks are not called (the iterations ran in the faulty run already), nor is ``self.log`` recorded. Through the
 strategy, because under DDP only the wrapped model's forward arms the gradient all-reduce of the backward: the
-module's own ``training_step`` would leave each rank with its local gradients, and the ranks would diverge. Every
-rank replays the same iterations, so the collectives of a step (DDP's all-reduce, expert parallelism's all-to-all
-and gradient reduction, a global-norm clipping) pair up as they did. With 2 ranks an all-reduce sums in one order
+module's own ``training_step`` would leave each rank with its local gradients, and the ranks would diverge (under
+``ModelParallelStrategy`` the strategy calls the module itself: FSDP2's all-gathers and reduce-scatters hang on its
+submodules). Every rank replays the same iterations, so the collectives of a step (DDP's all-reduce, FSDP2's
+all-gather and reduce-scatter, expert parallelism's all-to-all and gradient reduction, a global-norm clipping) pair
+up as they did. With 2 ranks an all-reduce sums in one order
 only; with more, the sum's order may depend on DDP's buckets, which a new process builds afresh (not yet checked).
 
-This slice supports ``trainer.data_parallel=ddp`` and ``zero2`` (one process or several, with or without expert
-parallelism) at the precisions of :data:`PRECISIONS` (:func:`check_supported`), but not at a bf16 precision with
-expert parallelism replicated over several EP groups (:func:`check_trainer`); ``fsdp2`` and ``hsdp`` are refused by
-name. The ranks' schedules must agree on the dense units (:func:`check_same`, once per run): under
-ZeRO-2 a unit's holders train it from the same offset on, or a holder training it would receive its owner's frozen
-weights.
+This slice supports every ``trainer.data_parallel`` mode, ``ddp``, ``zero2``, ``fsdp2`` and ``hsdp`` (one process or
+several, with or without expert parallelism) at the precisions of :data:`PRECISIONS` under the strategies of
+:data:`STRATEGIES` (:func:`check_strategy`), but not at a bf16 precision with expert parallelism replicated over
+several EP groups (:func:`check_trainer`). The ranks' schedules must agree on the dense units (:func:`check_same`,
+once per run): under ZeRO-2 a unit's holders train it from the same offset on, or a holder training it would receive
+its owner's frozen weights. The schedule is planned from whole units' sizes (a DTensor's global size), so it is the
+same on every holder of a unit in every mode.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
@@ -63,16 +66,30 @@ from moc_lightning.zero import ZeroAdamW
 PRECISIONS: dict[str, tuple[str, ...]] = {
     "ddp": ("32-true", "bf16-mixed"),
     "zero2": ("32-true", "bf16-mixed", "bf16-true"),
+    "fsdp2": ("32-true", "bf16-mixed"),
+    "hsdp": ("32-true", "bf16-mixed"),
 }
 """``trainer.data_parallel`` modes a replay repeats bitwise, each with the Lightning precisions it was checked at: fp32
 weights (the logged compute weights are the fp32 weights), ``bf16-mixed`` (the autocast that the strategy's
-``training_step`` enters as Lightning's loop does) and, under ``zero2``, ``bf16-true`` (bf16 weights logged as the
-forward reads them, the fp32 masters in the owner's optimizer state). ``fsdp2`` and ``hsdp`` are not replayed yet."""
+``training_step`` enters as Lightning's loop does; under ``fsdp2``/``hsdp`` also the ``MixedPrecisionPolicy`` that
+all-gathers the fp32 shards, logged as they are, in bf16) and, under ``zero2``, ``bf16-true`` (bf16 weights logged as
+the forward reads them, the fp32 masters in the owner's optimizer state). Under ``hsdp`` a piece's replicas capture
+and replay it alike, as under ``fsdp2``."""
+
+STRATEGIES: dict[str, tuple[type[Strategy], ...]] = {
+    "ddp": (DDPStrategy, SingleDeviceStrategy),
+    "zero2": (DDPStrategy, SingleDeviceStrategy),
+    "fsdp2": (ModelParallelStrategy,),
+    "hsdp": (ModelParallelStrategy,),
+}
+"""The Lightning strategies each mode of :data:`PRECISIONS` is replayed under: the ones that build it
+(:func:`moc_lightning.training.build_trainer`)."""
 
 SUPPORTED = (
-    "checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp at precision 32-true or bf16-mixed and "
+    "checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp at precision 32-true or bf16-mixed, "
     "trainer.data_parallel=zero2 at precision 32-true, bf16-mixed or bf16-true (Lightning's DDPStrategy, or one "
-    "device; not fsdp2 or hsdp yet), automatic optimization with one torch.optim optimizer (or zero2's ZeroAdamW), "
+    "device) and trainer.data_parallel=fsdp2 or hsdp at precision 32-true or bf16-mixed (Lightning's "
+    "ModelParallelStrategy); automatic optimization with one torch.optim optimizer (or zero2's ZeroAdamW), "
     "accumulate_grad_batches=1, LR schedulers stepped every step, and a module that keeps Lightning's optimizer_step, "
     "optimizer_zero_grad and backward; use checkpoint.mode=pec otherwise"
 )
@@ -91,11 +108,17 @@ def check_supported(precision: str, data_parallel: str = "ddp") -> None:
 
 def check_strategy(trainer: L.Trainer, module: L.LightningModule) -> None:
     """:func:`check_supported` for a Trainer: its precision, the module's ``data_parallel`` (when it has one) and the
-    strategy, which must wrap the model as DDP does (or not at all) for :func:`replay_window` to drive its step."""
-    check_supported(trainer.precision, getattr(module, "data_parallel", "ddp"))
+    strategy, one of the mode's :data:`STRATEGIES`: those wrap the model as DDP does, shard it in place (FSDP2's
+    hooks live on the module's own submodules) or leave it alone, so :func:`replay_window` drives its step through
+    them as Lightning's loop does."""
+    data_parallel = getattr(module, "data_parallel", "ddp")
+    check_supported(trainer.precision, data_parallel)
     strategy = trainer.strategy
-    if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
-        raise ValueError(f"checkpoint.mode=replay under {type(strategy).__name__}: {SUPPORTED}")
+    if type(strategy) not in STRATEGIES[data_parallel]:
+        raise ValueError(
+            f"checkpoint.mode=replay with trainer.data_parallel={data_parallel} under {type(strategy).__name__}: "
+            f"{SUPPORTED}"
+        )
 
 
 def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:

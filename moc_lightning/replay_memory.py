@@ -3,9 +3,11 @@ shared-memory root there (issue 14, item 3), as PEC's snapshot slots are.
 
 A window (:class:`~moc_lightning.replay.WindowRecord`) holds, per iteration, the full state of the units active
 there and the compute weights of the units still frozen; its buffers are allocated at the first window and
-reused. The driver keeps :data:`WINDOWS_KEPT` windows so that the newest complete one stays intact while the next
-is captured, and :class:`~moc_lightning.window_store.WindowStore` holds up to :data:`SHM_COPIES` serialized
-copies in the node's shared memory (the newest, and the next one while it replaces it): those count against the
+reused. Under FSDP2/HSDP a rank's window holds its pieces of the units (their local shards), and so is counted
+here, under the schedule planned from whole units (the same on every rank). The driver keeps :data:`WINDOWS_KEPT`
+windows so that the newest complete one stays intact while the next is captured, and
+:class:`~moc_lightning.window_store.WindowStore` holds up to :data:`SHM_COPIES` serialized copies in the node's
+shared memory (the newest, and the next one while it replaces it): those count against the
 shared-memory root. Serializing a window for its writes takes one more window-sized buffer for a while; that
 transient copy is not counted. A resume deserializes one window only (the ranks agree on it from the copies'
 heads, :mod:`~moc_lightning.window_store`), and drops it after its replay, before the captures allocate theirs:
@@ -33,13 +35,15 @@ SHM_COPIES = 2
 """Window copies a rank holds in shared memory at the peak: the newest, and the next one replacing it."""
 
 
-def window_sizes(layout: Layout) -> dict[Unit, UnitBytes]:
-    """Each unit's bytes with the optimizer state it has, or will have once stepped."""
+def window_sizes(layout: Layout, local: bool = False) -> dict[Unit, UnitBytes]:
+    """Each unit's bytes with the optimizer state it has, or will have once stepped: whole (what the schedule is
+    planned from, the same on every rank) or, ``local``, this rank's pieces of it (what its captures copy under
+    FSDP2/HSDP)."""
     sizes = {}
     for unit in layout.units:
-        size = layout.unit_bytes(unit)
+        size = layout.unit_bytes(unit, local=local)
         if size.optimizer == 0:
-            size = dataclasses.replace(size, optimizer=expected_state_bytes(layout, unit))
+            size = dataclasses.replace(size, optimizer=expected_state_bytes(layout, unit, local=local))
         sizes[unit] = size
     return sizes
 
@@ -102,5 +106,7 @@ class WindowMemory:
 
 
 def window_memory(layout: Layout, window: int) -> WindowMemory:
-    """What replay mode with ``window`` iterations keeps in host memory for ``layout``'s units."""
-    return WindowMemory(tuple(copy_bytes(window_sizes(layout), window)), window)
+    """What replay mode with ``window`` iterations keeps in host memory for ``layout``'s units: this rank's pieces
+    of them (a DTensor's local shard) under the schedule :func:`window_plan` plans from whole units."""
+    schedule, _ = window_plan(layout, window)
+    return WindowMemory(tuple(offset_bytes(window_sizes(layout, local=True), schedule, window)), window)

@@ -24,12 +24,13 @@ MODEL = GPTMoEConfig(block_size=32)
 
 
 def cpu_trainer(root: Path, max_steps: int, callbacks: list[L.Callback], devices: int = 1, **kw: Any) -> L.Trainer:
-    """A quiet Trainer on CPU (DDP over gloo for more than one device), no validation, no logger unless given."""
+    """A quiet Trainer on CPU (DDP over gloo for more than one device unless ``strategy`` is given), no validation, no
+    logger unless given."""
     kw.setdefault("logger", False)
+    kw.setdefault("strategy", DDPStrategy(process_group_backend="gloo") if devices > 1 else "auto")
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=DDPStrategy(process_group_backend="gloo") if devices > 1 else "auto",
         max_steps=max_steps,
         limit_val_batches=0,
         enable_progress_bar=False,
@@ -66,7 +67,8 @@ class Crash(Exception):
 
 
 class Recorder(L.Callback):
-    """The full state at the start of training and after chosen steps; optionally crash after a step."""
+    """The full state at the start of training and after chosen steps (this rank's pieces of it: under FSDP2 the
+    local shards of the DTensors); optionally crash after a step."""
 
     def __init__(self, at: tuple[int, ...] = (), crash_after: int | None = None, model: GPTMoEConfig = MODEL) -> None:
         self.at = set(at)
@@ -77,7 +79,7 @@ class Recorder(L.Callback):
 
     def _tensors(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
         layout = build_layout(module, trainer.optimizers[0], num_experts=self.num_experts)
-        return {k: v.detach().clone() for k, v in layout.tensors().items()}
+        return {k: v.detach().clone() for k, v in layout.pieces(layout.units).items()}
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start_step = trainer.global_step

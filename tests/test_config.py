@@ -131,9 +131,7 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.mode=sparse"], "checkpoint.mode='sparse' is not allowed; choose one of: pec, replay"),
         (["checkpoint.mode=replay", "checkpoint.replay.window=0"], "checkpoint.replay.window must be >= 1, got 0"),
         (["checkpoint.mode=replay", "checkpoint.replay.window=big"], "checkpoint.replay.window='big' is not allowed; choose an integer >= 1 or auto"),
-        (["checkpoint.mode=replay", "trainer.data_parallel=hsdp"], "checkpoint.mode=replay with trainer.data_parallel=hsdp: checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp"),
         (["checkpoint.mode=replay", "trainer.data_parallel=zero2", "trainer.precision=16-mixed"], "checkpoint.mode=replay with trainer.precision='16-mixed' and trainer.data_parallel=zero2"),
-        (["checkpoint.mode=replay", "trainer.data_parallel=fsdp2"], "checkpoint.mode=replay with trainer.data_parallel=fsdp2: checkpoint.mode=replay supports, so far, trainer.data_parallel=ddp"),
         (["checkpoint.mode=replay", "trainer.precision=16-mixed"], "checkpoint.mode=replay with trainer.precision='16-mixed'"),
     ],
 )
@@ -178,6 +176,15 @@ def test_replay_mode_composes_under_zero2(precision: str) -> None:
     overrides = ["checkpoint.mode=replay", "trainer.data_parallel=zero2", f"trainer.precision={precision}"]
     cfg = to_train_config(_compose(overrides))
     assert (cfg.checkpoint.mode, cfg.trainer.data_parallel, cfg.trainer.precision) == ("replay", "zero2", precision)
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp2", "hsdp"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_replay_mode_composes_under_the_sharded_modes(data_parallel: str, precision: str) -> None:
+    overrides = ["checkpoint.mode=replay", f"trainer.data_parallel={data_parallel}", f"trainer.precision={precision}"]
+    cfg = to_train_config(_compose(overrides))
+    chosen = (cfg.checkpoint.mode, cfg.trainer.data_parallel, cfg.trainer.precision)
+    assert chosen == ("replay", data_parallel, precision)
 
 
 def _hf_train_config(overrides: list[str]):
