@@ -50,6 +50,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
@@ -297,12 +298,10 @@ def replay_window(
     run = Replay(log.record, layout)
     start = time.perf_counter()
     with _logging_off(module), torch.enable_grad():
+        _rebuild_ddp_buckets(trainer, run, log)
         for i in run.iterations:
             run.before_forward(i)
-            iteration = log.iterations[i]
-            _set_rng_states(iteration.rng)
-            output = trainer.strategy.training_step(iteration.batch, iteration.batch_idx)  # DDP: module docstring
-            loss = output["loss"] if isinstance(output, Mapping) else output
+            loss = _training_step(trainer, log.iterations[i])
             module.on_before_backward(loss)
             loss.backward()
             module.on_after_backward()
@@ -321,6 +320,38 @@ def replay_window(
         log.start_step, log.end_step, len(run.iterations), seconds - run.restore_seconds, restored_bytes,
         read_seconds + run.restore_seconds, source=source,
     )
+
+
+def _training_step(trainer: L.Trainer, iteration: Iteration) -> torch.Tensor:
+    """The loss of ``iteration``'s ``training_step``, from its batch and RNG streams, through the strategy (under DDP
+    only the wrapped model's forward arms the backward's gradient all-reduce: module docstring)."""
+    _set_rng_states(iteration.rng)
+    output = trainer.strategy.training_step(iteration.batch, iteration.batch_idx)
+    return output["loss"] if isinstance(output, Mapping) else output
+
+
+def _rebuild_ddp_buckets(trainer: L.Trainer, run: Replay, log: WindowLog) -> None:
+    """Bring a fresh DDP to the gradient buckets it reduces in after its first iteration, before the replay's first.
+
+    DDP puts the gradients in buckets by parameter order for its first backward and, after it, rebuilds them in the
+    order the gradients became ready. Over more than two ranks an all-reduce sums each element in an order given by
+    its place in its bucket (gloo's ring, NCCL's rings and trees), so the same gradients reduced in other buckets
+    differ in the last bits. A replayed iteration ran after its process's first one in the fault-free run, but the
+    replay is the first work of a new process: its first iteration would be reduced in the first-iteration buckets
+    (measured, 4 ranks at ep=2: every dense gradient of the replay's first iteration in some elements, in fp32 as in
+    bf16, and through the global-norm clipping every gradient in bf16). So the replay's first iteration is run once
+    before, to no effect but DDP's rebuild: its forward and backward on the state the iteration begins with, whose
+    gradients are dropped, and which :meth:`Replay.before_forward` puts back (a forward may update buffers); the RNG
+    streams are set again before the iteration. A DDP whose ready order is its parameter order, or that never
+    rebuilds (``find_unused_parameters``), reduces as before. Costs one forward and backward per recovery, counted
+    in the replay's seconds; without DDP nothing runs."""
+    if not isinstance(trainer.strategy.model, DistributedDataParallel) or not run.iterations:
+        return
+    first = run.iterations[0]
+    restored = run.restore_seconds
+    run.before_forward(first)
+    _training_step(trainer, log.iterations[first]).backward()
+    run.restore_seconds = restored  # the loop restores the same state again: that copy is the recovery's restore
 
 
 @contextlib.contextmanager

@@ -203,10 +203,10 @@ def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state
 
 
 class BucketLayouts(L.Callback):
-    """The gradient buckets DDP reduced in each backward of a fit (their parameters' names, bucket by bucket), one
-    entry per backward that the module's ``on_after_backward`` closes: Lightning's loop and a replayed iteration
-    call it. A comm hook (the default all-reduce's Python twin) notes the buckets; it is registered before MoC's
-    ``on_train_start`` replays (Lightning calls a checkpoint callback's hooks last)."""
+    """The gradient buckets DDP reduced in each iteration of a fit (their parameters' names, bucket by bucket): those
+    of the backward between the module's ``on_before_backward`` and ``on_after_backward``, which Lightning's loop and
+    a replayed iteration call. A comm hook (the default all-reduce's Python twin) notes the buckets; it is
+    registered before MoC's ``on_train_start`` replays (Lightning calls a checkpoint callback's hooks last)."""
 
     def __init__(self) -> None:
         self.layouts: list[tuple[tuple[str, ...], ...]] = []
@@ -221,11 +221,14 @@ class BucketLayouts(L.Callback):
             return default_hooks.allreduce_hook(state, bucket)
 
         ddp.register_comm_hook(None, hook)
+        module.on_before_backward = self._open  # type: ignore[method-assign]
         module.on_after_backward = self._close  # type: ignore[method-assign]
+
+    def _open(self, loss: torch.Tensor) -> None:
+        self._pending = []
 
     def _close(self) -> None:
         self.layouts.append(tuple(sorted(self._pending, key=lambda names: names[0])))
-        self._pending = []
 
 
 def _layouts(rank: int, world_size: int, root: str, crash: int) -> dict[str, Any]:
