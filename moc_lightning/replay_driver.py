@@ -25,11 +25,11 @@ strategy, because under DDP only the wrapped model's forward arms the gradient a
 module's own ``training_step`` would leave each rank with its local gradients, and the ranks would diverge. Every
 rank replays the same iterations, so the collectives of a step (DDP's all-reduce, expert parallelism's all-to-all
 and gradient reduction, a global-norm clipping) pair up as they did. With 2 ranks an all-reduce sums in one order
-only; with more, the sum's order may depend on DDP's buckets, which a new process builds afresh (not yet checked).
+only; with more, each element's order follows its place in DDP's buckets, which a new process builds afresh: the
+replay first brings them to those the fault-free iterations used (:func:`_rebuild_ddp_buckets`).
 
 This slice supports ``trainer.data_parallel=ddp`` and ``zero2`` (one process or several, with or without expert
-parallelism) at the precisions of :data:`PRECISIONS` (:func:`check_supported`), but not at a bf16 precision with
-expert parallelism replicated over several EP groups (:func:`check_trainer`); ``fsdp2`` and ``hsdp`` are refused by
+parallelism) at the precisions of :data:`PRECISIONS` (:func:`check_supported`); ``fsdp2`` and ``hsdp`` are refused by
 name. The ranks' schedules must agree on the dense units (:func:`check_same`, once per run): under
 ZeRO-2 a unit's holders train it from the same offset on, or a holder training it would receive its owner's frozen
 weights.
@@ -103,13 +103,6 @@ def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
     """What a replayed iteration must repeat exactly: Lightning's own optimization loop, one optimizer, schedulers
     stepped once per step (:func:`check_strategy` ran at ``setup``)."""
     problems = []
-    topology = getattr(module, "expert_topology", None)
-    if str(trainer.precision).startswith("bf16") and topology is not None and 1 < topology.ep < topology.world_size:
-        # measured: 4 ranks at ep=2 end a replay off the uninterrupted run, in bf16-mixed (ddp: expert tensors a few
-        # ulps off) and in bf16-true (zero2, the window from step 0: every dense tensor off); 2 ranks at ep=1 or 2,
-        # 4 ranks at ep=1 in bf16-true and 4 ranks at ep=2 in fp32 are exact
-        problems.append(f"precision {trainer.precision} with expert parallelism ep={topology.ep} replicated over "
-                        f"{topology.world_size // topology.ep} EP groups (not bitwise yet)")
     if trainer.accumulate_grad_batches != 1:
         problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
     if not module.automatic_optimization:
