@@ -258,8 +258,9 @@ class ReplayReport:
     replay_iterations: int
     """Iterations recomputed through ``training_step`` (W-1: the first one's state is restored directly)."""
     replay_seconds: float
-    """Wall time of the replay's computation: the replayed iterations, without copying the window's tensors into
-    the live ones (that is in :attr:`restore_seconds`)."""
+    """Wall time of the replay's computation: the replayed iterations (under DDP with one more forward and backward,
+    :func:`_rebuild_ddp_buckets`), without copying the window's tensors into the live ones (that is in
+    :attr:`restore_seconds`)."""
     restored_bytes: int
     """Size of the window read from :attr:`source` (serialized: its tensors, batches, RNG and trainer state)."""
     restore_seconds: float
@@ -327,17 +328,18 @@ def _rebuild_ddp_buckets(trainer: L.Trainer, run: Replay, log: WindowLog) -> Non
     """Bring a fresh DDP to the gradient buckets it reduces in after its first iteration, before the replay's first.
 
     DDP puts the gradients in buckets by parameter order for its first backward and, after it, rebuilds them in the
-    order the gradients became ready. Over more than two ranks an all-reduce sums each element in an order given by
-    its place in its bucket (gloo's ring, NCCL's rings and trees), so the same gradients reduced in other buckets
-    differ in the last bits. A replayed iteration ran after its process's first one in the fault-free run, but the
-    replay is the first work of a new process: its first iteration would be reduced in the first-iteration buckets
-    (measured, 4 ranks at ep=2: every dense gradient of the replay's first iteration in some elements, in fp32 as in
-    bf16, and through the global-norm clipping every gradient in bf16). So the replay's first iteration is run once
-    before, to no effect but DDP's rebuild: its forward and backward on the state the iteration begins with, whose
-    gradients are dropped, and which :meth:`Replay.before_forward` puts back (a forward may update buffers); the RNG
-    streams are set again before the iteration. A DDP whose ready order is its parameter order, or that never
-    rebuilds (``find_unused_parameters``), reduces as before. Costs one forward and backward per recovery, counted
-    in the replay's seconds; without DDP nothing runs."""
+    order the gradients became ready (rank 0's; the same in any iteration of a graph that does not change). Over
+    more than two ranks an all-reduce sums each element in an order given by its place in its bucket (gloo's ring,
+    NCCL's rings and trees), so the same gradients reduced in other buckets differ in the last bits. A replayed
+    iteration ran after its process's first one in the fault-free run, but the replay is the first work of a new
+    process: its first iteration would be reduced in the first-iteration buckets (measured, 4 ranks at ep=2: every
+    dense gradient of the replay's first iteration in some elements, in fp32 as in bf16, and through the global-norm
+    clipping every gradient in bf16). So the replay's first iteration is run once before, to no effect but DDP's
+    rebuild: its forward and backward on the state the iteration begins with, whose gradients are dropped, and which
+    :meth:`Replay.before_forward` puts back (a forward may update buffers); the RNG streams are set again before the
+    iteration. A DDP whose ready order is its parameter order, or that never rebuilds (``find_unused_parameters``),
+    reduces as before. Costs one forward and backward per recovery, counted in the replay's seconds; without DDP
+    nothing runs."""
     if not isinstance(trainer.strategy.model, DistributedDataParallel) or not run.iterations:
         return
     first = run.iterations[0]
