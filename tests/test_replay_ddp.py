@@ -233,17 +233,16 @@ class BucketLayouts(L.Callback):
 
 
 def _layouts(rank: int, world_size: int, root: str, crash: int) -> dict[str, Any]:
-    """The bucket layouts of an uninterrupted fit, step by step, and of a resume after a crash after ``crash``."""
-    straight = BucketLayouts()
-    _fit(Path(root) / "straight", world_size, 1, "ddp", [straight])
+    """The bucket layouts of a fit's steps until it crashes as global step ``crash`` ends, and of its resume."""
+    faulty = BucketLayouts()
     try:
-        _fit(Path(root) / "faulty", world_size, 1, "ddp", [Recorder(crash_after=crash, model=NOISY)])
+        _fit(Path(root), world_size, 1, "ddp", [faulty, Recorder(crash_after=crash, model=NOISY)])
     except Crash:
         pass
     torch.distributed.barrier()
     resumed = BucketLayouts()
-    moc = _fit(Path(root) / "faulty", world_size, 1, "ddp", [resumed])
-    return {"straight": straight.layouts, "resumed": resumed.layouts, "report": asdict(moc.replay_report)}
+    moc = _fit(Path(root), world_size, 1, "ddp", [resumed])
+    return {"faulty": faulty.layouts, "resumed": resumed.layouts, "report": asdict(moc.replay_report)}
 
 
 @pytest.mark.slow
@@ -251,16 +250,19 @@ def test_a_replayed_iteration_reduces_its_gradients_in_the_buckets_of_the_uninte
     """DDP buckets a fit's first backward by parameter order and rebuilds them after it, in the order the gradients
     became ready; more than two ranks sum each element in an order given by its place in its bucket (gloo's ring,
     NCCL's too), so an iteration reduced in other buckets differs in the last bits. A replay runs in a new process,
-    whose DDP has not rebuilt yet: its first replayed iteration must still reduce as the uninterrupted run did
-    (under bf16 at 4 ranks and ep=2 the dense gradients, and through the clipping norm every gradient, came out a
-    bit off). Two ranks suffice to see the buckets, though their sums agree in any order."""
+    whose DDP has not rebuilt yet: its first replayed iteration must still reduce as the uninterrupted run did, in the
+    rebuilt buckets every step after the first used (under bf16 at 4 ranks and ep=2 the dense gradients, and through
+    the clipping norm every gradient, came out a bit off). Two ranks suffice to see the buckets, though their sums
+    agree in any order; the steps before the crash stand for the uninterrupted run."""
     crash = _crash_step(WINDOW + 1)
     ranks = run_ranks(_layouts, 2, tmp_path, str(tmp_path), crash, init_process_group=False)
     for rank, run in enumerate(ranks):
-        straight, resumed, report = run["straight"], run["resumed"], run["report"]
-        assert len(straight) == MAX_STEPS and straight[0] != straight[1], "DDP rebuilds its buckets after step 0"
-        replayed_from = report["window_start"] + 1  # the window's first iteration is restored, not replayed
-        assert resumed == straight[replayed_from:], f"rank {rank}: the replay and the resumed steps, bucket by bucket"
+        faulty, resumed, report = run["faulty"], run["resumed"], run["report"]
+        rebuilt = faulty[1]
+        assert len(faulty) == crash and faulty[0] != rebuilt, "DDP rebuilds its buckets after the first step"
+        assert faulty[1:] == [rebuilt] * (crash - 1), "and keeps them"
+        replayed = report["window_start"] + 1  # the window's first iteration is restored, not replayed
+        assert resumed == [rebuilt] * (MAX_STEPS - replayed), f"rank {rank}: the replayed and the resumed steps"
 
 
 @pytest.mark.parametrize("data_parallel", ["fsdp2", "hsdp"])
