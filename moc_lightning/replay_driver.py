@@ -26,13 +26,13 @@ module's own ``training_step`` would leave each rank with its local gradients, a
 ``ModelParallelStrategy`` the strategy calls the module itself: FSDP2's all-gathers and reduce-scatters hang on its
 submodules). Every rank replays the same iterations, so the collectives of a step (DDP's all-reduce, FSDP2's
 all-gather and reduce-scatter, expert parallelism's all-to-all and gradient reduction, a global-norm clipping) pair
-up as they did. With 2 ranks an all-reduce sums in one order
-only; with more, the sum's order may depend on DDP's buckets, which a new process builds afresh (not yet checked).
+up as they did. With 2 ranks an all-reduce sums in one order only; with more, each element's order follows its place
+in DDP's buckets, which a new process builds afresh: the replay first brings them to those the fault-free iterations
+used (:func:`_rebuild_ddp_buckets`).
 
 This slice supports every ``trainer.data_parallel`` mode, ``ddp``, ``zero2``, ``fsdp2`` and ``hsdp`` (one process or
 several, with or without expert parallelism) at the precisions of :data:`PRECISIONS` under the strategies of
-:data:`STRATEGIES` (:func:`check_strategy`), but not at a bf16 precision with expert parallelism replicated over
-several EP groups (:func:`check_trainer`). The ranks' schedules must agree on the dense units (:func:`check_same`,
+:data:`STRATEGIES` (:func:`check_strategy`). The ranks' schedules must agree on the dense units (:func:`check_same`,
 once per run): under ZeRO-2 a unit's holders train it from the same offset on, or a holder training it would receive
 its owner's frozen weights. The schedule is planned from whole units' sizes (a DTensor's global size), so it is the
 same on every holder of a unit in every mode.
@@ -53,6 +53,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
+from torch.nn.parallel import DistributedDataParallel
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
@@ -125,13 +126,6 @@ def check_trainer(trainer: L.Trainer, module: L.LightningModule) -> None:
     """What a replayed iteration must repeat exactly: Lightning's own optimization loop, one optimizer, schedulers
     stepped once per step (:func:`check_strategy` ran at ``setup``)."""
     problems = []
-    topology = getattr(module, "expert_topology", None)
-    if str(trainer.precision).startswith("bf16") and topology is not None and 1 < topology.ep < topology.world_size:
-        # measured: 4 ranks at ep=2 end a replay off the uninterrupted run, in bf16-mixed (ddp: expert tensors a few
-        # ulps off) and in bf16-true (zero2, the window from step 0: every dense tensor off); 2 ranks at ep=1 or 2,
-        # 4 ranks at ep=1 in bf16-true and 4 ranks at ep=2 in fp32 are exact
-        problems.append(f"precision {trainer.precision} with expert parallelism ep={topology.ep} replicated over "
-                        f"{topology.world_size // topology.ep} EP groups (not bitwise yet)")
     if trainer.accumulate_grad_batches != 1:
         problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
     if not module.automatic_optimization:
@@ -287,8 +281,9 @@ class ReplayReport:
     replay_iterations: int
     """Iterations recomputed through ``training_step`` (W-1: the first one's state is restored directly)."""
     replay_seconds: float
-    """Wall time of the replay's computation: the replayed iterations, without copying the window's tensors into
-    the live ones (that is in :attr:`restore_seconds`)."""
+    """Wall time of the replay's computation: the replayed iterations (under DDP with one more forward and backward,
+    :func:`_rebuild_ddp_buckets`), without copying the window's tensors into the live ones (that is in
+    :attr:`restore_seconds`)."""
     restored_bytes: int
     """Size of the window read from :attr:`source` (serialized: its tensors, batches, RNG and trainer state)."""
     restore_seconds: float
@@ -320,12 +315,10 @@ def replay_window(
     run = Replay(log.record, layout)
     start = time.perf_counter()
     with _logging_off(module), torch.enable_grad():
+        _rebuild_ddp_buckets(trainer, run, log)
         for i in run.iterations:
             run.before_forward(i)
-            iteration = log.iterations[i]
-            _set_rng_states(iteration.rng)
-            output = trainer.strategy.training_step(iteration.batch, iteration.batch_idx)  # DDP: module docstring
-            loss = output["loss"] if isinstance(output, Mapping) else output
+            loss = _training_step(trainer, log.iterations[i])
             module.on_before_backward(loss)
             loss.backward()
             module.on_after_backward()
@@ -344,6 +337,39 @@ def replay_window(
         log.start_step, log.end_step, len(run.iterations), seconds - run.restore_seconds, restored_bytes,
         read_seconds + run.restore_seconds, source=source,
     )
+
+
+def _training_step(trainer: L.Trainer, iteration: Iteration) -> torch.Tensor:
+    """The loss of ``iteration``'s ``training_step``, from its batch and RNG streams, through the strategy (under DDP
+    only the wrapped model's forward arms the backward's gradient all-reduce: module docstring)."""
+    _set_rng_states(iteration.rng)
+    output = trainer.strategy.training_step(iteration.batch, iteration.batch_idx)
+    return output["loss"] if isinstance(output, Mapping) else output
+
+
+def _rebuild_ddp_buckets(trainer: L.Trainer, run: Replay, log: WindowLog) -> None:
+    """Bring a fresh DDP to the gradient buckets it reduces in after its first iteration, before the replay's first.
+
+    DDP puts the gradients in buckets by parameter order for its first backward and, after it, rebuilds them in the
+    order the gradients became ready (rank 0's; the same in any iteration of a graph that does not change). Over
+    more than two ranks an all-reduce sums each element in an order given by its place in its bucket (gloo's ring,
+    NCCL's rings and trees), so the same gradients reduced in other buckets differ in the last bits. A replayed
+    iteration ran after its process's first one in the fault-free run, but the replay is the first work of a new
+    process: its first iteration would be reduced in the first-iteration buckets (measured, 4 ranks at ep=2: every
+    dense gradient of the replay's first iteration in some elements, in fp32 as in bf16, and through the global-norm
+    clipping every gradient in bf16). So the replay's first iteration is run once before, to no effect but DDP's
+    rebuild: its forward and backward on the state the iteration begins with, whose gradients are dropped, and which
+    :meth:`Replay.before_forward` puts back (a forward may update buffers); the RNG streams are set again before the
+    iteration. A DDP whose ready order is its parameter order, or that never rebuilds (``find_unused_parameters``),
+    reduces as before. Costs one forward and backward per recovery, counted in the replay's seconds; without DDP
+    nothing runs."""
+    if not isinstance(trainer.strategy.model, DistributedDataParallel) or not run.iterations:
+        return
+    first = run.iterations[0]
+    restored = run.restore_seconds
+    run.before_forward(first)
+    _training_step(trainer, log.iterations[first]).backward()
+    run.restore_seconds = restored  # the loop restores the same state again: that copy is the recovery's restore
 
 
 @contextlib.contextmanager
