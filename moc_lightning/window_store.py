@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -131,34 +132,34 @@ class MemoryFiles(LocalObjects):
 
 
 class Checksummed:
-    """Counts and checksums (CRC32C) what is written through it into a binary file (:meth:`into`): a window's head is
-    computed as the window is serialised, not by reading its bytes back."""
+    """A binary file that counts and checksums (CRC32C) what is written through it: a window's head is computed as
+    the window is serialised, not by reading its bytes back."""
 
     SLICE = 4 << 20
     """Bytes checksummed at a time: google_crc32c takes ``bytes`` only, so each slice of a record is copied once,
     small enough to stay in the CPU's cache for the checksum."""
 
-    def __init__(self) -> None:
-        self.file: BinaryIO | None = None
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
         self.length = 0
         self.crc = 0
-
-    def into(self, file: BinaryIO) -> Checksummed:
-        """Write into ``file`` from now on, counting and checksumming from zero."""
-        self.file, self.length, self.crc = file, 0, 0
-        return self
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), self.SLICE):
             self.crc = google_crc32c.extend(self.crc, bytes(view[start : start + self.SLICE]))
         self.length += len(view)
-        assert self.file is not None, "Checksummed.into(file) names the file first"
         return self.file.write(view)
 
     def flush(self) -> None:
-        if self.file is not None:
-            self.file.flush()
+        self.file.flush()
+
+
+def serialise(log: WindowLog, lineage: Lineage | None, file: BinaryIO) -> Checksummed:
+    """Serialise ``log`` into ``file``; what is returned knows the bytes' length and CRC32C."""
+    written = Checksummed(file)
+    log.save(written, lineage)
+    return written
 
 
 @dataclass(frozen=True)
@@ -422,11 +423,10 @@ class WindowStore:
     def _place_and_store(self, log: WindowLog, lineage: Lineage | None) -> None:
         """Serialise ``log`` straight into its file in shared memory, replacing the previous window, then copy that
         file to storage; each with its head."""
-        serialized = Checksummed()
 
-        def serialise() -> WindowHead:
-            MemoryFiles(self.memory.parent).write(self.memory.name, lambda f: log.save(serialized.into(f), lineage))
-            return WindowHead.of(log, lineage, serialized)
+        def place() -> WindowHead:
+            written = MemoryFiles(self.memory.parent).write(self.memory.name, partial(serialise, log, lineage))
+            return WindowHead.of(log, lineage, written)
 
-        head = self._place("memory").write(serialise)
+        head = self._place("memory").write(place)
         self._place("storage", head.index).copy(self.memory, head)

@@ -18,9 +18,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import tensorstore as ts
+
+T = TypeVar("T")
 
 
 def fsync_dir(path: Path) -> None:
@@ -73,9 +75,10 @@ class LocalObjects:
         """:meth:`put` of the bytes of local file ``source``, which the kernel copies (:func:`copy_file`)."""
         self.write(name, lambda f: copy_file(source, f))
 
-    def write(self, name: str, fill: Callable[[BinaryIO], object]) -> None:
+    def write(self, name: str, fill: Callable[[BinaryIO], T]) -> T:
         """Write ``name`` atomically with what ``fill`` writes into the open (temporary) file, durable on return
-        where :attr:`durable`: a large object is written where it goes, not gathered in a buffer first."""
+        where :attr:`durable`; returns what ``fill`` returned. A large object is written where it goes, not gathered
+        in a buffer first."""
         path = self.root / name
         if self.durable:
             make_dirs_durable(path.parent)
@@ -84,7 +87,7 @@ class LocalObjects:
         fd, tmp = self._temp(path)
         try:
             with os.fdopen(fd, "wb") as f:
-                fill(f)
+                filled = fill(f)
                 f.flush()
                 if self.durable:
                     os.fsync(f.fileno())
@@ -94,6 +97,7 @@ class LocalObjects:
             raise
         if self.durable:
             fsync_dir(path.parent)
+        return filled
 
     def _temp(self, path: Path) -> tuple[int, str]:
         """A new temporary file beside ``path`` (a unique name: several processes may write the same object),
