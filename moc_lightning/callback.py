@@ -670,10 +670,11 @@ def _shm_free(config: CheckpointConfig, node_root: Path) -> int:
 
 def _already_used(node_root: Path) -> int:
     """Bytes this run's existing slots and replay windows on this node occupy (they are reused, so they count as
-    available)."""
+    available); a file under two names (a window's name is a link to one of its files) counts once."""
     if not node_root.exists():
         return 0
-    return sum(p.stat().st_size for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(MEMORY_SUFFIX))
+    found = (p.stat() for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(MEMORY_SUFFIX))
+    return sum({(stat.st_dev, stat.st_ino): stat.st_size for stat in found}.values())
 
 
 class _MoCCheckpointIO(CheckpointIO):
