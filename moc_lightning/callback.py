@@ -670,11 +670,10 @@ def _shm_free(config: CheckpointConfig, node_root: Path) -> int:
 
 def _already_used(node_root: Path) -> int:
     """Bytes this run's existing slots and replay windows on this node occupy (they are reused, so they count as
-    available); a file under two names (a window's name is a link to one of its files) counts once."""
+    available)."""
     if not node_root.exists():
         return 0
-    found = (p.stat() for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(MEMORY_SUFFIX))
-    return sum({(stat.st_dev, stat.st_ino): stat.st_size for stat in found}.values())
+    return sum(p.stat().st_size for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(MEMORY_SUFFIX))
 
 
 class _MoCCheckpointIO(CheckpointIO):

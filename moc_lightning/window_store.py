@@ -7,7 +7,7 @@ file in shared memory (:func:`memory_path`, beside the rank's snapshot slots, re
 bytes as they are written, and then copies that file to storage (:func:`window_object`; the kernel copies it where
 storage is a local directory). A crashed process on a healthy node resumes from the copy in memory even when
 its storage write had not landed; a lost node (its shared memory gone) resumes from storage. Either copy is whole
-or absent: a crash mid-write leaves at most a half-written file that nothing reads.
+or absent: a crash mid-write leaves at most a temporary file that nothing reads.
 
 Beside each copy lies its *head* (:class:`WindowHead`, a sealed JSON object): the lineage stamp, the window's
 steps, and the length and CRC32C of the copy's bytes. A copy is written as: remove the old head, replace the
@@ -70,7 +70,7 @@ from moc_lightning.read_speed import read_through
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
 from moc_lightning.sealed import checksum, seal, unseal
 from moc_lightning.storage import CheckpointStorage
-from moc_lightning.storage.objects import LocalObjects, T
+from moc_lightning.storage.objects import LocalObjects
 
 STORAGE_COPIES = 3
 """Storage objects per rank, alternating by window index (module docstring: why 3, not 2)."""
@@ -118,41 +118,17 @@ class Objects(Protocol):
 
 
 class MemoryFiles(LocalObjects):
-    """Objects as files in the rank's folder of node-local shared memory, never fsynced: shared memory does not
-    outlive the node, so there is nothing to make durable, and an fsync where the root is a disk would only slow the
-    background thread before the storage write.
+    """Objects as files in the rank's folder of node-local shared memory: replaced atomically (a reader sees the old
+    bytes or the new), never fsynced: shared memory does not outlive the node, so there is nothing to make durable,
+    and an fsync where the root is a disk would only slow the background thread before the storage write. One
+    temporary name per object: a crash mid-write leaves at most one temporary file (as large as a window), which
+    the next write of the object replaces."""
 
-    Each object has two files beside it (:meth:`files`). A write fills the one the name does not link to, in place,
-    then links the name to it atomically (a hard link under a temporary name, renamed over the name): a reader of
-    the name sees the old bytes or the new, as with a fresh temporary file, but the file's pages are reused rather
-    than freed and allocated again (a small_16e window, 338 MB, serialised and checksummed into tmpfs: ~320 ms CPU
-    into a fresh file, ~220 ms rewriting one). A crash mid-write leaves the other file half-written, which nothing
-    reads. A mapping of the name sees its bytes change two writes later, when its file is rewritten: a window that a
-    resume mapped is let go once replayed, before the first new window is written."""
+    durable = False
 
-    def files(self, name: str) -> tuple[Path, Path]:
-        """The two files of object ``name`` (named to end as ``name`` does, so what counts windows counts them)."""
-        return self.root / f".0.{name}", self.root / f".1.{name}"
-
-    def write(self, name: str, fill: Callable[[BinaryIO], T]) -> T:
-        """Write ``name`` atomically with what ``fill`` writes, into the file it does not link to; returns what
-        ``fill`` returned."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / name
-        try:
-            current = path.stat().st_ino
-        except FileNotFoundError:
-            current = None
-        spare = next(f for f in self.files(name) if not (f.exists() and f.stat().st_ino == current))
-        with os.fdopen(os.open(spare, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as f:  # not truncated: pages kept
-            filled = fill(f)
-            f.flush()
-            f.truncate()  # at the end of what was written: a longer object before leaves no tail
-        link = self.root / f".link.{name}"
-        link.unlink(missing_ok=True)
-        os.link(spare, link)
-        os.replace(link, path)
-        return filled
+    def _temp(self, path: Path) -> tuple[int, str]:
+        tmp = path.with_name(f".{path.name}.tmp")
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), str(tmp)
 
 
 class Checksummed:

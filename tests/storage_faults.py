@@ -27,9 +27,9 @@ class FaultyStorage:
     """``inner``, except that chosen DCP writes and control-object puts fail with an ``OSError``.
 
     ``fail_writes`` and ``fail_puts`` map the ordinal of a call (1 for the first ``write_data`` or ``put``, of
-    bytes or of a file, made through this storage) to the errno it fails with. A failing ``write_data`` fails
-    midway, as a disk that fills up during a save: the inner writer writes every item of its plan but the last,
-    and the last raises. A failing ``put`` raises before the inner put, which is atomic, so the old object stays.
+    bytes or of a file, made through this storage) to the errno it fails with. A failing ``write_data`` fails midway, as a disk
+    that fills up during a save: the inner writer writes every item of its plan but the last, and the last
+    raises. A failing ``put`` raises before the inner put, which is atomic, so the old object stays.
     """
 
     def __init__(

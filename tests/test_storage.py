@@ -118,9 +118,7 @@ def test_a_control_object_under_a_local_root_is_a_local_file_a_put_replaces(stor
         assert old.read() == b"old" and path.read_bytes() == b"new bytes"
 
 
-def test_put_file_stores_a_local_file_as_an_object_replacing_it_whole(
-    storage: CheckpointStorage, tmp_path: Path
-) -> None:
+def test_put_file_stores_a_local_file_as_an_object_replacing_it_whole(storage: CheckpointStorage, tmp_path: Path) -> None:
     """A replay window goes to storage as a copy of its file in shared memory (:mod:`moc_lightning.window_store`):
     the object gets the file's bytes and, under a local root, a new file (a mapping of the old one keeps its
     bytes), with no temp file left."""

@@ -24,10 +24,8 @@ from moc_lightning.sealed import checksum
 from moc_lightning.storage import make_storage
 from moc_lightning.units import dense
 from moc_lightning.window_store import (
-    MEMORY_SUFFIX,
     STORAGE_COPIES,
     Candidate,
-    MemoryFiles,
     WindowStore,
     agree,
     memory_head,
@@ -160,27 +158,6 @@ def test_a_window_is_serialised_once_into_memory_and_storage_gets_a_copy_of_that
         assert {info.CRC for info in archive.infolist()} == {0}, "torch.save computed a CRC32 per record"
     found = _store(tmp_path).restore(LINEAGE)
     assert found is not None and torch.equal(found.log.record.logged[2]["head.weight"], torch.full((64,), 2.0))
-
-
-def test_a_window_in_memory_is_replaced_atomically_reusing_the_file_of_the_window_before_the_last(
-    tmp_path: Path,
-) -> None:
-    """Each write fills the one of two files that the name does not link to, in place, and then links the name to it:
-    a reader of the name sees the old bytes or the new (a file it opened keeps the old), and the third write reuses
-    the first one's file (its pages: no fresh file's allocation), cut to the new length."""
-    memory, name = MemoryFiles(tmp_path / "shm"), f"rank0{MEMORY_SUFFIX}"
-    path = tmp_path / "shm" / name
-    memory.put(name, b"first window, long")
-    first = path.stat().st_ino
-    with path.open("rb") as reader:
-        assert memory.write(name, lambda f: f.write(b"second")) == len(b"second")
-        assert reader.read() == b"first window, long" and path.read_bytes() == b"second"
-    assert path.stat().st_ino != first
-    memory.put(name, b"third")
-    assert path.read_bytes() == b"third" and path.stat().st_ino == first, "the first window's file was reused"
-    files = sorted(p.name for p in path.parent.iterdir())
-    print(f"files: {files}")
-    assert len(files) == 3 and all(f.endswith(MEMORY_SUFFIX) for f in files), "two files and the name linked to one"
 
 
 def test_a_window_in_a_remote_storage_is_read_whole_and_resumed_from(tmp_path: Path) -> None:

@@ -61,6 +61,9 @@ def copy_file(source: Path, target: BinaryIO) -> None:
 class LocalObjects:
     """Control objects as files under ``root``."""
 
+    durable = True
+    """Whether a write is on stable storage when it returns (the file and its directory fsynced)."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
 
@@ -73,22 +76,33 @@ class LocalObjects:
         self.write(name, lambda f: copy_file(source, f))
 
     def write(self, name: str, fill: Callable[[BinaryIO], T]) -> T:
-        """Write ``name`` atomically with what ``fill`` writes into the open (temporary) file, durable on return;
-        returns what ``fill`` returned. A large object is written where it goes, not gathered in a buffer first."""
+        """Write ``name`` atomically with what ``fill`` writes into the open (temporary) file, durable on return
+        where :attr:`durable`; returns what ``fill`` returned. A large object is written where it goes, not gathered
+        in a buffer first."""
         path = self.root / name
-        make_dirs_durable(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        if self.durable:
+            make_dirs_durable(path.parent)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = self._temp(path)
         try:
             with os.fdopen(fd, "wb") as f:
                 filled = fill(f)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        fsync_dir(path.parent)
+        if self.durable:
+            fsync_dir(path.parent)
         return filled
+
+    def _temp(self, path: Path) -> tuple[int, str]:
+        """A new temporary file beside ``path`` (a unique name: several processes may write the same object),
+        open for writing."""
+        return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
 
     def get(self, name: str) -> bytes | None:
         """The bytes of ``name``; ``None`` if it does not exist."""
