@@ -575,7 +575,8 @@ class ReplayMethod(MoCMethod):
 
         def wrapper(*args: Any, **kwargs: Any) -> None:
             storage = self.checkpoint.engine.pec.storage
-            timed(storage, "put", self.probe.persist, _step_of(trainer), only=lambda name, data: name.startswith(WINDOW_PREFIX))
+            timed(storage, "put_file", self.probe.persist, _step_of(trainer),
+                  only=lambda name, source: name.startswith(WINDOW_PREFIX))  # a copy of the window's file in memory
             on_train_start(*args, **kwargs)
 
         return wrapper

@@ -2,9 +2,10 @@
 node-local shared memory and in storage, both written off the training thread, as PEC's snapshots and persists are.
 
 When a window completes, the training thread only hands it over (:meth:`WindowStore.hand_over`): its tensors were
-copied into the window's own buffers as it was captured. A background thread serialises it once into shared memory
-(:func:`memory_path`, a file beside the rank's snapshot slots, replaced atomically) and then writes the same bytes
-to storage (:func:`window_object`). A crashed process on a healthy node resumes from the copy in memory even when
+copied into the window's own buffers as it was captured. A background thread serialises it once, straight into its
+file in shared memory (:func:`memory_path`, beside the rank's snapshot slots, replaced atomically), checksumming the
+bytes as they are written, and then copies that file to storage (:func:`window_object`; the kernel copies it where
+storage is a local directory). A crashed process on a healthy node resumes from the copy in memory even when
 its storage write had not landed; a lost node (its shared memory gone) resumes from storage. Either copy is whole
 or absent: a crash mid-write leaves at most a temporary file that nothing reads.
 
@@ -52,11 +53,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
+
+import google_crc32c
 
 from moc_lightning.agreement import gather
 from moc_lightning.background import background_executor
@@ -106,6 +110,8 @@ class Objects(Protocol):
 
     def put(self, name: str, data: bytes) -> None: ...
 
+    def put_file(self, name: str, source: Path) -> None: ...
+
     def get(self, name: str) -> bytes | None: ...
 
     def delete(self, name: str) -> None: ...
@@ -114,18 +120,46 @@ class Objects(Protocol):
 class MemoryFiles(LocalObjects):
     """Objects as files in the rank's folder of node-local shared memory: replaced atomically (a reader sees the old
     bytes or the new), never fsynced: shared memory does not outlive the node, so there is nothing to make durable,
-    and an fsync where the root is a disk would only slow the background thread before the storage write."""
+    and an fsync where the root is a disk would only slow the background thread before the storage write. One
+    temporary name per object: a crash mid-write leaves at most one temporary file (as large as a window), which
+    the next write of the object replaces."""
 
-    def put(self, name: str, data: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / name
-        tmp = path.with_name(f".{name}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+    durable = False
+
+    def _temp(self, path: Path) -> tuple[int, str]:
+        tmp = path.with_name(f".{path.name}.tmp")
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), str(tmp)
+
+
+class Checksummed:
+    """A binary file that counts and checksums (CRC32C) what is written through it: a window's head is computed as
+    the window is serialised, not by reading its bytes back."""
+
+    SLICE = 4 << 20
+    """Bytes checksummed at a time: google_crc32c takes ``bytes`` only, so each slice of a record is copied once,
+    small enough to stay in the CPU's cache for the checksum."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.length = 0
+        self.crc = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self.SLICE):
+            self.crc = google_crc32c.extend(self.crc, bytes(view[start : start + self.SLICE]))
+        self.length += len(view)
+        return self.file.write(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def serialise(log: WindowLog, lineage: Lineage | None, file: BinaryIO) -> Checksummed:
+    """Serialise ``log`` into ``file``; what is returned knows the bytes' length and CRC32C."""
+    written = Checksummed(file)
+    log.save(written, lineage)
+    return written
 
 
 @dataclass(frozen=True)
@@ -153,10 +187,10 @@ class WindowHead:
         return self.start_step // self.window
 
     @classmethod
-    def of(cls, log: WindowLog, lineage: Lineage | None, data: bytes) -> WindowHead:
-        """The head of ``log`` serialized as ``data``."""
+    def of(cls, log: WindowLog, lineage: Lineage | None, serialized: Checksummed) -> WindowHead:
+        """The head of ``log`` as it was serialized through ``serialized``."""
         stamp = lineage.stamp() if lineage is not None else None
-        return cls(stamp, log.start_step, log.record.window, len(data), checksum(data))
+        return cls(stamp, log.start_step, log.record.window, serialized.length, serialized.crc)
 
     def to_bytes(self) -> bytes:
         return seal(asdict(self))
@@ -186,12 +220,22 @@ class Place:
     """The local file holding the copy's bytes, mapped by a load; ``None`` where objects are not local files (a
     remote kvstore: the load reads the object whole)."""
 
-    def write(self, data: bytes, head: bytes) -> None:
-        """Replace the copy: the old head goes first, so a crash before the new head lands leaves no head that
-        names other bytes."""
+    def write(self, put: Callable[[], WindowHead]) -> WindowHead:
+        """Replace the copy by what ``put`` writes, then its head (what ``put`` returns): the old head goes first, so
+        a crash before the new head lands leaves no head that names other bytes."""
         self.objects.delete(self.head)
-        self.objects.put(self.name, data)
-        self.objects.put(self.head, head)
+        head = put()
+        self.objects.put(self.head, head.to_bytes())
+        return head
+
+    def copy(self, source: Path, head: WindowHead) -> None:
+        """Replace the copy by the bytes of file ``source``, whose head is ``head``."""
+
+        def put() -> WindowHead:
+            self.objects.put_file(self.name, source)
+            return head
+
+        self.write(put)
 
     def read_head(self) -> WindowHead | None:
         data = self.objects.get(self.head)
@@ -360,7 +404,7 @@ class WindowStore:
         if restore:
             place = self._place("storage", head.index)
             try:
-                place.write(self.memory.read_bytes(), head.to_bytes())
+                place.copy(self.memory, head)
             except Exception as err:  # shared with every rank below, raised everywhere
                 failure = f"{place.name} in {self.storage.url}: {type(err).__name__}: {err}"
         failures = {rank: text for rank, text in enumerate(gather(failure)) if text is not None}
@@ -377,10 +421,12 @@ class WindowStore:
             job.result()
 
     def _place_and_store(self, log: WindowLog, lineage: Lineage | None) -> None:
-        """Serialise ``log`` into shared memory, replacing the previous window, then write the same bytes to
-        storage; each with its head."""
-        data = log.to_bytes(lineage)
-        head = WindowHead.of(log, lineage, data)
-        sealed = head.to_bytes()
-        self._place("memory").write(data, sealed)
-        self._place("storage", head.index).write(data, sealed)
+        """Serialise ``log`` straight into its file in shared memory, replacing the previous window, then copy that
+        file to storage; each with its head."""
+
+        def place() -> WindowHead:
+            written = MemoryFiles(self.memory.parent).write(self.memory.name, partial(serialise, log, lineage))
+            return WindowHead.of(log, lineage, written)
+
+        head = self._place("memory").write(place)
+        self._place("storage", head.index).copy(self.memory, head)

@@ -26,8 +26,8 @@ def os_error(code: int, name: str) -> OSError:
 class FaultyStorage:
     """``inner``, except that chosen DCP writes and control-object puts fail with an ``OSError``.
 
-    ``fail_writes`` and ``fail_puts`` map the ordinal of a call (1 for the first ``write_data`` or ``put``
-    made through this storage) to the errno it fails with. A failing ``write_data`` fails midway, as a disk
+    ``fail_writes`` and ``fail_puts`` map the ordinal of a call (1 for the first ``write_data`` or ``put``, of
+    bytes or of a file, made through this storage) to the errno it fails with. A failing ``write_data`` fails midway, as a disk
     that fills up during a save: the inner writer writes every item of its plan but the last, and the last
     raises. A failing ``put`` raises before the inner put, which is atomic, so the old object stays.
     """
@@ -62,11 +62,19 @@ class FaultyStorage:
         return self.inner.reader(name)
 
     def put(self, name: str, data: bytes) -> None:
+        self._count_put(name)
+        self.inner.put(name, data)
+
+    def put_file(self, name: str, source: Path) -> None:
+        self._count_put(name)
+        self.inner.put_file(name, source)
+
+    def _count_put(self, name: str) -> None:
+        """Count a put (of bytes or of a file); raise where ``fail_puts`` says this one fails."""
         self.puts += 1
         code = self.fail_puts.get(self.puts)
         if code is not None:
             raise os_error(code, name)
-        self.inner.put(name, data)
 
     def get(self, name: str) -> bytes | None:
         return self.inner.get(name)

@@ -50,26 +50,27 @@ class WindowPuts:
         """How long each window put took, in order of completion."""
         self._lock = threading.Lock()
 
-    def put(self, inner: Any, name: str, data: bytes) -> None:
+    def put(self, inner: Any, name: str, source: Path) -> None:
         with self._lock:
             self.puts += 1
             n = self.puts
         start = time.perf_counter()
         self.before(n)
-        inner.put(name, data)
+        inner.put_file(name, source)
         self.seconds.append(time.perf_counter() - start)
 
 
 class SlowableStorage:
-    """A storage whose puts of a replay window go through :class:`WindowPuts`; everything else goes to ``inner``."""
+    """A storage whose puts of a replay window (copies of its file in shared memory) go through :class:`WindowPuts`;
+    everything else goes to ``inner``."""
 
     def __init__(self, inner: Any, puts: WindowPuts) -> None:
         self.inner, self.url, self.puts = inner, inner.url, puts
 
-    def put(self, name: str, data: bytes) -> None:
+    def put_file(self, name: str, source: Path) -> None:
         if not name.startswith(WINDOW_PREFIX):
-            return self.inner.put(name, data)
-        return self.puts.put(self.inner, name, data)
+            return self.inner.put_file(name, source)
+        return self.puts.put(self.inner, name, source)
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self.inner, attribute)

@@ -118,6 +118,23 @@ def test_a_control_object_under_a_local_root_is_a_local_file_a_put_replaces(stor
         assert old.read() == b"old" and path.read_bytes() == b"new bytes"
 
 
+def test_put_file_stores_a_local_file_as_an_object_replacing_it_whole(storage: CheckpointStorage, tmp_path: Path) -> None:
+    """A replay window goes to storage as a copy of its file in shared memory (:mod:`moc_lightning.window_store`):
+    the object gets the file's bytes and, under a local root, a new file (a mapping of the old one keeps its
+    bytes), with no temp file left."""
+    source = tmp_path / "window in shared memory"
+    source.write_bytes(os.urandom(3 << 20) + b"tail")
+    storage.put("replay_window.rank0.0.pt", b"old")
+    path = storage.local_file("replay_window.rank0.0.pt")
+    with contextlib.ExitStack() as stack:
+        old = None if path is None else stack.enter_context(path.open("rb"))
+        storage.put_file("replay_window.rank0.0.pt", source)
+        assert old is None or old.read() == b"old"
+    assert storage.get("replay_window.rank0.0.pt") == source.read_bytes()
+    if storage.url.startswith("file://"):
+        assert _local_files(storage) == {"replay_window.rank0.0.pt"}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_put_keeps_old_bytes_and_leaves_no_temp_file(
     backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -6,6 +6,7 @@ that a resume deserializes one window only, and that a re-store failing on one r
 from __future__ import annotations
 
 import errno
+import zipfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,18 @@ from storage_faults import FaultyStorage
 from moc_lightning.lineage import Lineage
 from moc_lightning.replay import WindowRecord
 from moc_lightning.replay_driver import WindowLog
+from moc_lightning.sealed import checksum
 from moc_lightning.storage import make_storage
 from moc_lightning.units import dense
-from moc_lightning.window_store import STORAGE_COPIES, Candidate, WindowStore, agree, pick, window_object
+from moc_lightning.window_store import (
+    STORAGE_COPIES,
+    Candidate,
+    WindowStore,
+    agree,
+    memory_head,
+    pick,
+    window_object,
+)
 
 W = 3
 
@@ -130,6 +140,37 @@ def test_a_resume_among_several_candidates_deserializes_one_window(
     assert found is not None and (found.end_step, found.source) == (4 * W, "memory")
     assert found.log.end_step == 4 * W and torch.equal(found.log.record.logged[0]["head.weight"], torch.full((64,), 9.0))
     assert counted.loads == 1
+
+
+def test_a_window_is_serialised_once_into_memory_and_storage_gets_a_copy_of_that_file(tmp_path: Path) -> None:
+    """The background thread writes the window straight into its file in shared memory, checksumming it as it goes,
+    and storage gets a copy of that file: the same bytes, each head naming their length and CRC32C. torch.save's own
+    CRC32 of every record is not computed (the head's CRC32C covers every byte already); the window loads without."""
+    store = _store(tmp_path)
+    _hand_over(store, range(1))
+    data = store.memory.read_bytes()
+    assert (tmp_path / "ckpt" / window_object(0, 0)).read_bytes() == data
+    heads = {c.source: c.head for c in store.candidates(LINEAGE)}
+    print(f"{len(data)} bytes, CRC32C {checksum(data):08x}; heads {heads}")
+    assert heads.keys() == {"memory", "storage"}
+    assert all((head.length, head.crc) == (len(data), checksum(data)) for head in heads.values())
+    with zipfile.ZipFile(store.memory) as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}, "torch.save computed a CRC32 per record"
+    found = _store(tmp_path).restore(LINEAGE)
+    assert found is not None and torch.equal(found.log.record.logged[2]["head.weight"], torch.full((64,), 2.0))
+
+
+def test_a_window_in_a_remote_storage_is_read_whole_and_resumed_from(tmp_path: Path) -> None:
+    """Storage that is no local directory (a kvstore, here ``memory://``) gets the window's bytes read from the file
+    in shared memory, and a lost node resumes from them (read whole, not mapped)."""
+    storage = make_storage("tensorstore", "memory://ckpt")
+    _hand_over(_store(tmp_path, storage=storage), range(2))
+    memory = tmp_path / "shm" / "rank0.replay_window.pt"
+    for path in (memory, memory_head(memory)):  # the node's shared memory is lost
+        path.unlink()
+    found = _store(tmp_path, storage=storage).restore(LINEAGE)
+    assert found is not None and (found.end_step, found.source) == (2 * W, "storage")
+    assert torch.equal(found.log.record.logged[0]["head.weight"], torch.full((64,), float(W)))
 
 
 @pytest.mark.parametrize(

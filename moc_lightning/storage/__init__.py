@@ -49,6 +49,11 @@ class CheckpointStorage(Protocol):
         """Atomically write a small control object (``manifest.json``, ``step_X/moc.json``), durable on return."""
         ...
 
+    def put_file(self, name: str, source: Path) -> None:
+        """:meth:`put` of the bytes of local file ``source`` (a replay window), copied by the kernel where the root
+        is a local directory rather than read into a buffer."""
+        ...
+
     def get(self, name: str) -> bytes | None:
         """Read a control object; ``None`` if it does not exist."""
         ...

@@ -16,9 +16,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, TypeVar
 
 import tensorstore as ts
+
+T = TypeVar("T")
 
 
 def fsync_dir(path: Path) -> None:
@@ -41,27 +45,64 @@ def make_dirs_durable(path: Path) -> None:
         fsync_dir(directory.parent)
 
 
+def copy_file(source: Path, target: BinaryIO) -> None:
+    """Append the bytes of file ``source`` to the open file ``target``, copied by the kernel (``sendfile``: from one
+    file's pages to the other's, across file systems too, never through a buffer of this process)."""
+    target.flush()
+    with source.open("rb") as f:
+        size, copied = os.fstat(f.fileno()).st_size, 0
+        while copied < size:
+            sent = os.sendfile(target.fileno(), f.fileno(), copied, size - copied)
+            if sent == 0:
+                raise OSError(f"{source} ended after {copied} of its {size} bytes while being copied")
+            copied += sent
+
+
 class LocalObjects:
     """Control objects as files under ``root``."""
+
+    durable = True
+    """Whether a write is on stable storage when it returns (the file and its directory fsynced)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
 
     def put(self, name: str, data: bytes) -> None:
         """Write ``name`` atomically: readers see the old bytes or the new ones; durable on return."""
+        self.write(name, lambda f: f.write(data))
+
+    def put_file(self, name: str, source: Path) -> None:
+        """:meth:`put` of the bytes of local file ``source``, which the kernel copies (:func:`copy_file`)."""
+        self.write(name, lambda f: copy_file(source, f))
+
+    def write(self, name: str, fill: Callable[[BinaryIO], T]) -> T:
+        """Write ``name`` atomically with what ``fill`` writes into the open (temporary) file, durable on return
+        where :attr:`durable`; returns what ``fill`` returned. A large object is written where it goes, not gathered
+        in a buffer first."""
         path = self.root / name
-        make_dirs_durable(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        if self.durable:
+            make_dirs_durable(path.parent)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = self._temp(path)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                filled = fill(f)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        fsync_dir(path.parent)
+        if self.durable:
+            fsync_dir(path.parent)
+        return filled
+
+    def _temp(self, path: Path) -> tuple[int, str]:
+        """A new temporary file beside ``path`` (a unique name: several processes may write the same object),
+        open for writing."""
+        return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
 
     def get(self, name: str) -> bytes | None:
         """The bytes of ``name``; ``None`` if it does not exist."""
@@ -98,6 +139,10 @@ class KvObjects:
     def put(self, name: str, data: bytes) -> None:
         """Write ``name``; TensorStore acknowledges a write only once the store has it whole."""
         self.kvstore.write(name, data).result()
+
+    def put_file(self, name: str, source: Path) -> None:
+        """:meth:`put` of the bytes of local file ``source`` (read whole: a key is written in one request)."""
+        self.put(name, source.read_bytes())
 
     def get(self, name: str) -> bytes | None:
         """The bytes of ``name``; ``None`` if it does not exist."""
