@@ -24,7 +24,7 @@ from moc_lightning.chaos.checks import (
 )
 from moc_lightning.chaos.harness import TrialConfig, damage, draw_faults, reference_records, run_trial
 from moc_lightning.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
-from moc_lightning.faults import FaultInjector, FaultPlan
+from moc_lightning.faults import KILL_LINE, FaultInjector, FaultPlan
 from moc_lightning.layout import build_layout
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.gpt_moe import GPTMoE
@@ -250,7 +250,10 @@ def test_fault_plan_round_trips_and_rejects_unknown_fields() -> None:
         FaultPlan.parse("rank=1,phase=sometime")
 
 
-def test_fault_fires_at_the_nth_occurrence_in_its_incarnation_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fault_fires_at_the_nth_occurrence_in_its_incarnation_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It says so first (the harness tells a kill by that line: an agent may report a peer's failure instead)."""
     kills: list[int] = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
     plan = FaultPlan(1, None, "train", nth=3, incarnation=2)
@@ -263,6 +266,8 @@ def test_fault_fires_at_the_nth_occurrence_in_its_incarnation_only(monkeypatch: 
         injector.at("snapshot", step)
         injector.at("train", step)
         assert kills == ([signal.SIGKILL] if step >= 3 else [])
+        said = capsys.readouterr().err
+        assert said == (f"{KILL_LINE} of rank 1 at train (step 3)\n" if step == 3 else "")
 
 
 def test_trial_config_names_a_bad_pec_scope_and_the_choices() -> None:
