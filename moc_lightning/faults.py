@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit", "recovery")
@@ -95,6 +96,12 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+KILL_LINE = "[moc_lightning] fault injection: SIGKILL"
+"""What a rank prints just before it kills itself. A harness tells a kill by it, not by the launcher's report:
+torch's elastic agent with multiprocessing ranks (:mod:`moc_lightning.launch`) names the first failed rank it sees,
+which may be a peer that lost its connection to the killed one."""
+
+
 class FaultInjector:
     """Kills this process when the plan says so; a no-op without a plan, on other ranks, or in other incarnations."""
 
@@ -112,6 +119,7 @@ class FaultInjector:
             return
         self._seen += 1
         if self._seen == plan.nth:
+            print(f"{KILL_LINE} of rank {plan.rank} at {phase} (step {step})", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

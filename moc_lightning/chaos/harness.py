@@ -30,7 +30,7 @@ from typing import Any
 
 from moc_lightning.chaos.checks import run_checks
 from moc_lightning.chaos.oracle import INCARNATION_ENV, read_records
-from moc_lightning.faults import FaultPlan
+from moc_lightning.faults import KILL_LINE, FaultPlan
 from moc_lightning.parts import SCOPES
 
 WORLD = 4
@@ -195,7 +195,7 @@ def run_incarnation(
             rc = proc.wait()
             hang = f"no exit within {cfg.incarnation_timeout:.0f} s"
     text = log.read_text(errors="replace")
-    killed = any(mark in text for mark in ("exitcode: -9", "exitcode  : -9", "Signal 9", "SIGKILL"))
+    killed = KILL_LINE in text
     if hang is None and rc != 0 and not killed:  # a killed rank's peers may time out while the agent stops them
         hang = next((f"a collective timed out: {line.strip()[:200]}" for line in text.splitlines()
                      if any(m in line for m in HANG_MARKERS) and "Error" in line), None)
