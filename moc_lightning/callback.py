@@ -6,9 +6,10 @@ Add it to a Trainer and resume through Lightning's usual door::
     trainer = L.Trainer(callbacks=[moc], ...)
     trainer.fit(model, ckpt_path=moc.resume_target())   # None on a fresh start
 
-Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (host tensors are copied
-there and then; GPU tensors on a side stream while the next forward/backward runs) and a background thread
-commits it; the next optimizer step waits only for what is not done. Every ``persist_every_n_snapshots``
+Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (persistent buffers are
+copied there and then; weights and optimizer state by a background thread, from host memory or on a side CUDA
+stream, while the next forward/backward runs) and that thread commits it; the next optimizer step
+(``on_before_optimizer_step``) waits only for what is not done. Every ``persist_every_n_snapshots``
 snapshots one is persisted to storage in the background (a lineage's first one with every unit, see
 ``complete_first_persist``), and when ``fit`` ends every unit is persisted.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from

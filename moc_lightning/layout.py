@@ -149,6 +149,13 @@ def buffer_key(unit: Unit, local_name: str) -> str:
     return f"{unit.key}/buffer/{local_name}"
 
 
+def is_buffer_key(key: str) -> bool:
+    """Whether a state-dict key (:func:`buffer_key`) names a persistent buffer: unlike weights and optimizer state,
+    which only an optimizer step changes, a forward may update a buffer in place (norm statistics, a
+    load-balancing bias)."""
+    return "/buffer/" in key
+
+
 def slot_key(unit: Unit, slot: ParamSlot) -> str:
     """The key of a slot's own tensor (weight or buffer)."""
     return buffer_key(unit, slot.local_name) if slot.buffer else param_key(unit, slot.local_name)

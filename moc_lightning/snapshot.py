@@ -12,11 +12,10 @@ buffer), one may be in persist, the other takes the next snapshot.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +95,44 @@ def layout_entries(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, SlotE
         entries[key] = SlotEntry(offset, str(tensor.dtype), tuple(tensor.shape))
         offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     return entries, offset
+
+
+@dataclass
+class Fill:
+    """A slot being filled (:meth:`SnapshotStore.fill`): its layout, and the part of its copy not done yet."""
+
+    entries: dict[str, SlotEntry]
+    """Where each tensor lies in the slot."""
+    stream: torch.cuda.Stream | None = None
+    """The side stream the GPU tensors' copy was enqueued on."""
+    rest: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """Host copy left to do: (slot views, live tensors)."""
+    midway: Callable[[], None] | None = None
+    """Runs between the halves of :attr:`rest`'s copy."""
+
+    def complete(self) -> None:
+        """Do the host copy left (on the calling thread: a copy thread) and wait for the GPU copy."""
+        if self.rest is not None:
+            _copy_in_halves(*self.rest, self.midway)
+            self.rest = None
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def _copy_in_halves(
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    midway: Callable[[], None] | None = None,
+    non_blocking: bool = False,
+) -> None:
+    """One ``_foreach_copy_`` per half of ``sources`` (it runs without the GIL), ``midway()`` between them."""
+    half = len(sources) // 2
+    with torch.no_grad():
+        for part in (slice(0, half), slice(half, None)):
+            if part.start == half and midway is not None:
+                midway()
+            if targets[part]:
+                torch._foreach_copy_(targets[part], sources[part], non_blocking=non_blocking)
 
 
 class SnapshotStore:
@@ -211,45 +248,53 @@ class SnapshotStore:
         midway: Callable[[], None] | None = None,
     ) -> SlotMeta:
         """Copy ``tensors`` into ``slot`` and commit it: :meth:`fill` then :meth:`finish`."""
-        entries, stream = self.fill(slot, tensors, midway)
-        return self.finish(slot, step, units, entries, extra, stream)
+        return self.finish(slot, step, units, self.fill(slot, tensors, midway), extra)
 
     def fill(
-        self, slot: int, tensors: Mapping[str, torch.Tensor], midway: Callable[[], None] | None = None
-    ) -> tuple[dict[str, SlotEntry], torch.cuda.Stream | None]:
-        """Invalidate ``slot`` and copy ``tensors`` into it; returns the slot's layout and the copy stream.
+        self,
+        slot: int,
+        tensors: Mapping[str, torch.Tensor],
+        midway: Callable[[], None] | None = None,
+        defer: Collection[str] = (),
+    ) -> Fill:
+        """Invalidate ``slot`` and start copying ``tensors`` into it; :meth:`Fill.complete` (which :meth:`finish`
+        calls) completes the copy.
 
-        Host tensors are copied now, on the calling thread: one ``_foreach_copy_`` per half (``midway()``
-        runs between the halves; fault drills tear a snapshot there). GPU tensors are enqueued on a side CUDA
-        stream that first waits for the training stream's work so far (the values are final there), so the
-        device-to-host copy overlaps the next forward and backward; :meth:`finish` waits for that stream.
+        Host tensors are copied now, on the calling thread, except those named in ``defer``: their copy is left to
+        :meth:`Fill.complete`, which a caller runs on a copy thread while training goes on, as long as nothing
+        writes to them. GPU tensors are enqueued on a side CUDA stream that first waits for the training stream's
+        work so far (the values are final there), so the device-to-host copy overlaps the next forward and
+        backward; :meth:`Fill.complete` waits for that stream. The copy goes in two halves, ``midway()`` between
+        them (fault drills tear a snapshot there): halves of the deferred tensors when there are any.
         """
         entries, targets = self._prepare(slot, tensors)
         sources = list(tensors.values())
-        stream = _side_stream() if any(t.is_cuda for t in sources) else None
-        half = len(sources) // 2
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for part in (slice(0, half), slice(half, None)):
-                if part.start == half and midway is not None:
-                    midway()
-                if targets[part]:
-                    torch._foreach_copy_(targets[part], sources[part], non_blocking=stream is not None)
-        return entries, stream
+        if any(t.is_cuda for t in sources):
+            stream = _side_stream()
+            with torch.cuda.stream(stream):
+                _copy_in_halves(targets, sources, midway, non_blocking=True)
+            return Fill(entries, stream=stream)
+        later = [key in defer for key in tensors]
+        now = [(t, s) for t, s, deferred in zip(targets, sources, later) if not deferred]
+        rest = [(t, s) for t, s, deferred in zip(targets, sources, later) if deferred]
+        if not rest:
+            _copy_in_halves(targets, sources, midway)
+            return Fill(entries)
+        _copy_in_halves([t for t, _ in now], [s for _, s in now])
+        return Fill(entries, rest=([t for t, _ in rest], [s for _, s in rest]), midway=midway)
 
     def finish(
         self,
         slot: int,
         step: int,
         units: tuple[str, ...],
-        entries: Mapping[str, SlotEntry],
+        fill: Fill,
         extra: Mapping[str, Any],
-        stream: torch.cuda.Stream | None = None,
         parts: tuple[str, ...] = (),
     ) -> SlotMeta:
-        """Commit a filled slot once its copy ``stream`` (if any) has finished."""
-        if stream is not None:
-            stream.synchronize()
-        meta = SlotMeta(slot=slot, step=step, units=units, entries=dict(entries), extra=dict(extra), parts=parts)
+        """Complete ``fill``'s copy, then commit the slot: no ``meta.json`` before every byte is in place."""
+        fill.complete()
+        meta = SlotMeta(slot=slot, step=step, units=units, entries=dict(fill.entries), extra=dict(extra), parts=parts)
         self.commit(meta)
         return meta
 

@@ -2,15 +2,20 @@
 
 Timeline of one snapshot step ``t`` (MoC-System Figures 3 and 9):
 
-1. ``snapshot(t)`` on the train-batch end of step ``t``: select the units and copy the ones this rank owns
-   into a free slot, then leave the slot's commit (trainer state, ``meta.json``) to a background thread.
-   GPU tensors are only enqueued there, on a side stream, so the device-to-host copy overlaps the next
-   forward/backward. Host tensors are copied at once, on the training thread: a CPU has no copy engine, and
-   a copy on another thread competes with the next forward for the same cores and the GIL. Measured on 2
-   cores (39 MB, `quick` benchmark model): on a background thread the copy took 5-12 ms and slowed the next
-   step; on the training thread, 2.0-3.0 ms.
-2. ``wait_snapshot()`` before the optimizer step of ``t+1``: training waits here only if the snapshot is not
-   committed yet (with the batch-end work, the *stall*). When the snapshot is a persist one, its persist
+1. ``snapshot(t)`` on the train-batch end of step ``t``: select the units this rank owns and a free slot, and
+   leave their copy and the slot's commit (trainer state, ``meta.json``) to a background copy thread, so that
+   the copy overlaps the next forward/backward: GPU tensors are enqueued on a side stream, host tensors are
+   copied by that thread (``_foreach_copy_`` runs without the GIL). Only persistent buffers are copied at once,
+   on the training thread: a forward may update them in place (norm statistics, a load-balancing bias), while
+   weights and optimizer state change only in an optimizer step, and neither ZeRO-2 (which broadcasts the new
+   weights inside its step) nor FSDP2 (which all-gathers the shards into storage of its own) writes them
+   before. On a CPU the background copy competes with the next forward for the cores: the copy itself is
+   slower there than on the training thread, but the training thread no longer waits for it (the quick
+   benchmark under ``fsdp2`` on 2 ranks: see ``docs/bench.md``).
+2. ``wait_snapshot()`` before the optimizer step of ``t+1`` (the join): training waits here only if the snapshot
+   is not copied and committed yet (with the batch-end work, the *stall*); nothing may write to the copied
+   tensors before it (recovery, a persist and ``finish`` also wait for it), and an error of the copy or the
+   commit is raised here, on the training thread. When the snapshot is a persist one, its persist
    starts now, on another thread, writing from the slot through DCP on a dedicated process group. At most one persist is in flight;
    when the previous one is still running, all ranks agree to skip this persist and count it.
 3. ``recover()`` at start-up: ranks exchange their slot inventories, plan the resume step and a source for
@@ -56,8 +61,8 @@ from moc_lightning.manifest import Manifest
 from moc_lightning.parts import PARTS, always_saved, part_key, part_key_of, split_part_key
 from moc_lightning.recovery import RecoveryPlan, SlotInventory, Source, piece_donors, plan_recovery
 from moc_lightning.sharding import ShardingUnit, Topology, plan_ownership
-from moc_lightning.layout import Layout, TensorSpec
-from moc_lightning.snapshot import NUM_SLOTS, SlotEntry, SlotMeta, SnapshotStore
+from moc_lightning.layout import Layout, TensorSpec, is_buffer_key
+from moc_lightning.snapshot import NUM_SLOTS, Fill, SlotEntry, SlotMeta, SnapshotStore
 from moc_lightning.storage import find_cause
 from moc_lightning.units import ExpertUnit, Unit, parse_unit
 
@@ -71,7 +76,7 @@ class CheckpointStats:
     skipped_persists: int = 0
     failed_persists: int = 0
     copy_seconds: list[float] = field(default_factory=list)
-    """Per snapshot, the copy into its slot (on the training thread for host tensors)."""
+    """Per snapshot, the copy into its slot (host buffers on the training thread, the rest on the copy thread)."""
     snapshot_seconds: list[float] = field(default_factory=list)
     """Per snapshot, from the start of its copy to its slot's commit (trainer state and metadata written)."""
     stall_seconds: list[float] = field(default_factory=list)
@@ -98,7 +103,7 @@ class _PendingSnapshot:
     taking_seconds: float
     """The training thread's time in :meth:`TwoLevelCheckpointer.snapshot`."""
     copy_seconds: float
-    """Of which the copy into the slot."""
+    """Of which the copy into the slot done there (the buffers; under CUDA, enqueuing the copy)."""
 
 
 @dataclass(frozen=True)
@@ -200,9 +205,10 @@ class TwoLevelCheckpointer:
             ) from err
 
     def snapshot(self, step: int, trainer_state: Mapping[str, Any] | None = None, may_persist: bool = True) -> None:
-        """Take the snapshot of step ``step``: copy now (host tensors) or enqueue the copy (GPU tensors), and
-        leave the commit to the background thread. ``may_persist=False``: never persist this one (the last
-        step, which :meth:`persist_final` writes whole); the same on every rank."""
+        """Take the snapshot of step ``step``: copy the buffers now, enqueue the copy of GPU tensors, and leave
+        the copy of the other host tensors and the commit to the copy thread; :meth:`wait_snapshot` joins it.
+        ``may_persist=False``: never persist this one (the last step, which :meth:`persist_final` writes whole);
+        the same on every rank."""
         self.wait_snapshot()
         taking = time.perf_counter()
         if self._reservation is not None:
@@ -240,27 +246,28 @@ class TwoLevelCheckpointer:
             self.faults.at("snapshot", step)
 
         start = time.perf_counter()
-        entries, stream = self.store.fill(slot, tensors, midway)
+        fill = self.store.fill(slot, tensors, midway, defer={key for key in tensors if not is_buffer_key(key)})
         filled = time.perf_counter()
         commit = self._copier.submit(
-            self._commit_snapshot, slot, step, tuple(u.key for u in mine), my_parts, entries, extra, trainer_state,
-            stream,
+            self._commit_snapshot, slot, step, tuple(u.key for u in mine), my_parts, fill, extra, trainer_state
         )
         self._snapshot = _PendingSnapshot(commit, persist_units, persist_parts, filled - taking, filled - start)
 
     def _commit_snapshot(
-        self, slot: int, step: int, units: tuple[str, ...], parts: tuple[str, ...], entries: Mapping[str, SlotEntry],
-        extra: dict[str, Any], trainer_state: Mapping[str, Any] | None, stream: torch.cuda.Stream | None,
-    ) -> tuple[SlotMeta, float]:
-        """Commit the filled slot; returns it and the commit's own duration.
+        self, slot: int, step: int, units: tuple[str, ...], parts: tuple[str, ...], fill: Fill,
+        extra: dict[str, Any], trainer_state: Mapping[str, Any] | None,
+    ) -> tuple[SlotMeta, float, float]:
+        """Complete the slot's copy, then commit it; returns it, the copy's and the commit's own durations.
 
         The trainer state is serialised here, off the training thread: it is a fresh dict of plain values.
         """
         start = time.perf_counter()
+        fill.complete()
+        copied = time.perf_counter()
         extra["trainer"] = encode_state(trainer_state)
         self.faults.at("slot_commit", step)
-        meta = self.store.finish(slot, step, units, entries, extra, stream, parts)
-        return meta, time.perf_counter() - start
+        meta = self.store.finish(slot, step, units, fill, extra, parts)
+        return meta, copied - start, time.perf_counter() - copied
 
     def wait_snapshot(self) -> None:
         """Block until the running snapshot is copied and committed, and account it."""
@@ -268,14 +275,15 @@ class TwoLevelCheckpointer:
         if pending is None:
             return
         waited = time.perf_counter()
-        meta, commit_seconds = pending.commit.result()
+        meta, background_copy_seconds, commit_seconds = pending.commit.result()
         wait = time.perf_counter() - waited
         self._snapshot = None
+        copy_seconds = pending.copy_seconds + background_copy_seconds
         self.stats.snapshots += 1
         self.stats.stall_seconds.append(pending.taking_seconds + wait)
         self.stats.wait_seconds.append(wait)
-        self.stats.copy_seconds.append(pending.copy_seconds)
-        self.stats.snapshot_seconds.append(pending.copy_seconds + commit_seconds)
+        self.stats.copy_seconds.append(copy_seconds)
+        self.stats.snapshot_seconds.append(copy_seconds + commit_seconds)
         self.stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
         if pending.persist_units is not None:
             self._start_persist(meta, pending.persist_units, pending.persist_parts)
@@ -421,6 +429,7 @@ class TwoLevelCheckpointer:
         committed in the manifest before training goes on.
         """
         start = time.perf_counter()
+        self.finish()  # a snapshot of this engine still copying would race the restore (every rank alike)
         if manifest is None:
             manifest = from_coordinator(self.pec.read_manifest)
         lineage = manifest.lineage

@@ -66,7 +66,7 @@ def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> Non
     assert len(stats.stall_seconds) == len(stats.copy_seconds) == len(stats.snapshot_seconds) == 40
     for stall, wait, copy, snapshot in zip(stats.stall_seconds, stats.wait_seconds, stats.copy_seconds,
                                            stats.snapshot_seconds):  # fmt: skip
-        assert 0 < copy <= snapshot and wait <= stall and copy < stall, "the copy is part of the stall on CPU"
+        assert 0 < copy <= snapshot and wait <= stall  # the copy overlaps the next step: not all of it is stall
     assert [m.step for m in moc.engine.store.committed()][-1] == 40
 
 
