@@ -15,6 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from buffered_model import N, BufferedMoE, assert_same_state, full_state, optimizer_of, train
 from dist_utils import run_ranks
 from lightning_run import MODEL, Recorder, fit, moc_config
@@ -156,3 +157,22 @@ def test_gradient_accumulation_keeps_every_snapshot_exact(tmp_path: Path) -> Non
         assert slots[step], f"the slot of step {step} holds tensors"
         for key, tensor in slots[step].items():
             assert torch.equal(tensor, recorder.states[step][key]), f"step {step}: {key} is not its value then"
+
+
+def _collectives_of_a_snapshot(rank: int, world_size: int, root: str) -> dict[str, int]:
+    trainee = Trainee(ExpertParallelTopology.from_process_group(1))
+    pec = trainee.engine(every_step_config(2, 1), Path(root, "ckpt").as_uri())
+    engine = TwoLevelCheckpointer(pec, SnapshotStore(Path(root, "shm", f"rank{rank}")))
+    trainee.step(1)
+    pec.record_tokens(trainee.model.moe_layers())
+    with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+        engine.snapshot(1, {})
+    engine.finish()
+    return {"all_reduces": all_reduce.call_count, "persists": engine.stats.persists}
+
+
+def test_a_persisted_snapshot_waits_for_the_other_ranks_once(tmp_path: Path) -> None:
+    """Each collective on the training thread waits for the slowest rank: the router counts and the agreement to
+    persist (no rank has a persist in flight) travel in one all-reduce."""
+    for rank in run_ranks(_collectives_of_a_snapshot, 2, tmp_path, str(tmp_path)):
+        assert rank == {"all_reduces": 1, "persists": 1}
