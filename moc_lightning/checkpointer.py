@@ -222,25 +222,34 @@ class PECCheckpointer:
             self._pending[i] += layer.tokens_per_expert.to("cpu", torch.int64)
             self._pending_assigned[i] += layer.tokens_assigned
 
-    def mark_step(self, step: int) -> None:
+    def mark_step(self, step: int, also_sum: Sequence[int] = ()) -> list[int]:
         """Reduce the router counts recorded since the last mark over all ranks (collective: every rank, on the
-        training thread) and mark ``step`` in the ledger, as the step a checkpoint is taken at."""
-        self._sync_tokens()
-        self.ledger.mark(step)
+        training thread) and mark ``step`` in the ledger, as the step a checkpoint is taken at.
 
-    def _sync_tokens(self) -> None:
-        flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
+        ``also_sum``: integers of the caller's to sum over the ranks in the same all-reduce (one collective where
+        a snapshot would need two; each waits for the slowest rank); returns their sums."""
+        sums = self._sync_tokens(also_sum)
+        self.ledger.mark(step)
+        return sums
+
+    def _sync_tokens(self, also_sum: Sequence[int]) -> list[int]:
+        flat = torch.cat([
+            *self._pending,
+            torch.tensor(self._pending_assigned, dtype=torch.int64),
+            torch.tensor(list(also_sum), dtype=torch.int64),
+        ])
         if dist.is_initialized():
             # default group, on the training thread (persists use their own gloo group)
             flat = flat.to(collective_device())
             dist.all_reduce(flat)
             flat = flat.cpu()
-        sizes = [len(p) for p in self._pending] + [len(self._pending_assigned)]
-        *counts, assigned = flat.split(sizes)
+        sizes = [len(p) for p in self._pending] + [len(self._pending_assigned), len(also_sum)]
+        *counts, assigned, sums = flat.split(sizes)
         for i, c in enumerate(counts):
             self.ledger.record(i, c, int(assigned[i]))
         self._pending = [torch.zeros_like(p) for p in self._pending]
         self._pending_assigned = [0] * len(self._pending_assigned)
+        return [int(v) for v in sums]
 
     # ------------------------------------------------------------------- save
     def checkpoint(self, step: int) -> SaveReport | None:

@@ -218,10 +218,12 @@ class TwoLevelCheckpointer:
             self._reservation = None
         self._reap_persist()
         pec = self.pec
-        pec.mark_step(step)
+        # every rank must agree to persist, or the persist's collectives would not match across ranks
+        persisting = int(self._persist is not None and not self._persist.done())
+        (ranks_persisting,) = pec.mark_step(step, also_sum=[persisting])
         index = pec.snapshots_taken
         due = index % pec.cfg.persist_every_n_snapshots == 0 and may_persist
-        persist = due and self._all_ranks_free_to_persist()
+        persist = due and ranks_persisting == 0
         if due and not persist:
             self.stats.skipped_persists += 1
         selection = pec.select(index, persist, self._agreed_persists() if pec.needs_stored_steps(persist) else None)
@@ -296,14 +298,6 @@ class TwoLevelCheckpointer:
             count = count.to(collective_device())
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
         return [r for r in self._outcomes[: int(count.item())] if r is not None]
-
-    def _all_ranks_free_to_persist(self) -> bool:
-        """Every rank must agree, or the persist's collectives would not match across ranks."""
-        free = torch.tensor([0 if self._persist is not None and not self._persist.done() else 1])
-        if dist.is_initialized():
-            free = free.to(collective_device())
-            dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        return bool(free.item())
 
     def _owners(self, units: Sequence[Unit], parts: Sequence[str] = ()) -> dict[str, int]:
         """Which rank snapshots each unit (whole) and the units of ``parts`` (that part): pure, so every rank
