@@ -60,6 +60,7 @@ from moc_lightning.read_speed import evict, read_gbps
 from moc_lightning.replay_driver import WINDOW_PREFIX, ReplayReport
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
+from moc_lightning.window_file import read_file
 from moc_lightning.window_store import STORAGE_COPIES, memory_head, window_object
 
 try:
@@ -136,7 +137,10 @@ class BenchConfig:
     warmup_steps: int = 2
     """Leading iterations left out of the mean iteration time (allocator and thread-pool warm-up)."""
     replay_window: int = 4
-    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration and writes a window every W."""
+    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration and completes a window every W."""
+    replay_persist_every_n_windows: int = 1
+    """``moc_replay``'s ``checkpoint.replay.persist_every_n_windows``: every window goes to shared memory, every this
+    many to storage."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Methods to run, from :data:`METHODS`."""
     seed: int = 0
@@ -161,7 +165,7 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"methods {unknown} are unknown; choose among: {', '.join(METHODS)}")
         check_data_parallel(self.data_parallel, BENCH_DATA_PARALLEL, by="recipes/bench.py")
-        for name in ("steps", "every_n_train_steps", "devices", "replay_window"):
+        for name in ("steps", "every_n_train_steps", "devices", "replay_window", "replay_persist_every_n_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < self.every_n_train_steps:
@@ -555,9 +559,10 @@ class ReplayMethod(MoCMethod):
 
     paired = True
 
-    def __init__(self, name: str, root: Path, every: int, shm_root: Path, window: int) -> None:
+    def __init__(self, name: str, root: Path, every: int, shm_root: Path, window: int, persist_every: int) -> None:
         super().__init__(
-            name, root, every, shm_root, mode="replay", replay=ReplayConfig(window=window),
+            name, root, every, shm_root, mode="replay",
+            replay=ReplayConfig(window=window, persist_every_n_windows=persist_every),
             remove_snapshots_on_fit_end=False,  # the first recovery, like a crashed process's, finds the copy in memory
         )
         self.window = window
@@ -614,9 +619,8 @@ class ReplayMethod(MoCMethod):
         row.recover_seconds = recover_seconds(cfg, self)
         (row.restore_memory_seconds, row.restore_memory_bytes, row.restore_memory_light_ratio,
          row.replay_seconds) = restore_figures(self._replayed("memory"), base.copy_gbps)  # fmt: skip
-        memory = self.resumed.windows.memory
-        for path in (memory, memory_head(memory)):  # the node's shared memory is lost
-            path.unlink(missing_ok=True)
+        for path in (p for slot in self.resumed.windows.slots for p in (slot.path, memory_head(slot.path))):
+            path.unlink(missing_ok=True)  # the node's shared memory is lost
         storage, rank = self.root / "ckpt", _rank()
         for path in (storage / window_object(rank, index) for index in range(STORAGE_COPIES)):
             if path.exists():
@@ -704,7 +708,7 @@ def make_method(name: str, root: Path, cfg: BenchConfig, shm_root: Path) -> Meth
     if name == "nvrx_local":
         return NvrxMethod(name, root, every)
     if name == "moc_replay":
-        return ReplayMethod(name, root, every, shm_root / name, cfg.replay_window)
+        return ReplayMethod(name, root, every, shm_root / name, cfg.replay_window, cfg.replay_persist_every_n_windows)
     k = {"moc_full": (n, n), "moc_paper": tuple(scaled_k(v, n) for v in PAPER_K), "moc_k1": (1, 1)}[name]
     return MoCMethod(name, root, every, shm_root / name, k_snapshot=k[0], k_persist=k[1])
 
@@ -717,7 +721,8 @@ def disk_bytes(checkpoint: Path) -> int:
 def tensor_bytes(checkpoint: Path) -> int:
     """Bytes of the tensors a checkpoint on disk holds: what eq. 5/6 count, without any file framing.
 
-    Read from a DCP checkpoint's own ``.metadata``, or from a ``torch.save`` file loaded memory-mapped.
+    Read from a DCP checkpoint's own ``.metadata``, from a replay window file (:mod:`moc_lightning.window_file`), or
+    from a ``torch.save`` file loaded memory-mapped.
     """
     if checkpoint.is_dir():
         metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.values()
@@ -726,7 +731,10 @@ def tensor_bytes(checkpoint: Path) -> int:
             for m in metadata
             if isinstance(m, TensorStorageMetadata)
         )
-    loaded = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+    if checkpoint.name.startswith(WINDOW_PREFIX):
+        loaded: Any = read_file(checkpoint)
+    else:
+        loaded = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
     return sum(t.numel() * t.element_size() for t in _tensors_in(loaded))
 
 
@@ -1067,6 +1075,7 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         "steps": cfg.steps,
         "every_n_train_steps": cfg.every_n_train_steps,
         "replay_window": cfg.replay_window,
+        "replay_persist_every_n_windows": cfg.replay_persist_every_n_windows,
         "k_scaling": K_SCALING,
         "state_bytes": base.state_bytes,
         "baseline_iter_ms": round(base.iteration_s * 1000, 3),

@@ -76,7 +76,7 @@ from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 from moc_lightning.window_choice import WindowChoice, WindowProbe
-from moc_lightning.window_store import MEMORY_SUFFIX, Restored, WindowStore, memory_path
+from moc_lightning.window_store import MEMORY_SUFFIX, Restored, WindowStore
 
 
 class MoCCheckpoint(Checkpoint):
@@ -193,7 +193,9 @@ class MoCCheckpoint(Checkpoint):
             self._check_window_memory(layout, self.config.replay.window, topology.rank, slot_root.parent)
         self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
         if self.config.mode == "replay":
-            self.windows = WindowStore(pec.storage, memory_path(slot_root), topology.rank)
+            self.windows = WindowStore(
+                pec.storage, slot_root, topology.rank, self.config.replay.persist_every_n_windows
+            )
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
 
@@ -360,9 +362,9 @@ class MoCCheckpoint(Checkpoint):
             check_trainer(trainer, pl_module)
             if self.config.replay.window == AUTO:
                 self._probe = WindowProbe()
-            else:
-                self.capture = WindowCapture(self.config.replay.window)
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        if self.config.mode == "replay" and self.config.replay.window != AUTO:
+            self.capture = self._window_capture(self.config.replay.window)
         self._slots_sized = False
         self._persists_logged = 0
 
@@ -423,10 +425,16 @@ class MoCCheckpoint(Checkpoint):
         choice = self.window_choice = from_coordinator(lambda: probe.choose(layout), self.engine.pec.process_group)
         rank = self.engine.rank
         self._check_window_memory(layout, choice.window, rank, self._slot_root(rank).parent)
-        self.capture = WindowCapture(choice.window)
+        self.capture = self._window_capture(choice.window)
         _log_now(trainer, choice.metrics())
         if self.engine.rank == 0:
             print(f"[moc_lightning] {choice.describe()}")
+
+    def _window_capture(self, window: int) -> WindowCapture:
+        """Captures of windows of ``window`` iterations into this rank's slots, allocated now rather than at the first
+        captures (:meth:`WindowSlot.reserve`)."""
+        self.windows.reserve(self.window_memory.window_bytes)
+        return WindowCapture(window, self.windows.open_slot)
 
     def _check_window_memory(self, layout: Layout, window: int, rank: int, node_root: Path) -> None:
         """``mode=replay``: report the windows' host memory and refuse a shared-memory root that cannot hold them,
@@ -643,7 +651,7 @@ def check_window_memory(config: CheckpointConfig, memory: WindowMemory, node_roo
     if free < needed:
         raise ValueError(
             f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the replay windows need about "
-            f"{needed / 1e6:.1f} MB ({memory.shm_copies} copies x {local_ranks} ranks x "
+            f"{needed / 1e6:.1f} MB ({memory.slots} window slots x {local_ranks} ranks x "
             f"{memory.window_bytes / 1e6:.1f} MB a window at checkpoint.replay.window={memory.window}, up to "
             f"{max(memory.per_iteration) / 1e6:.1f} MB per iteration); use a larger tmpfs, a smaller "
             "checkpoint.replay.window (a window holds every unit's full state once plus the weights of the units "

@@ -57,11 +57,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from moc_lightning.layout import Layout, TensorSpec, UnitBytes
 from moc_lightning.units import ExpertUnit, Unit
+from moc_lightning.window_file import FULL, BufferKey
 
 
 def window_schedule(
@@ -122,17 +124,41 @@ def offset_bytes(sizes: Mapping[Unit, UnitBytes], schedule: Mapping[Unit, int], 
     ]
 
 
+class Buffers(Protocol):
+    """Where a window's captures are copied: a buffer per :data:`~moc_lightning.window_file.BufferKey`, reused from
+    window to window."""
+
+    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of ``key``, shaped and typed as ``like`` (made anew when ``like``'s shape or dtype changed)."""
+        ...
+
+
+@dataclass
+class ProcessBuffers:
+    """Buffers in this process's memory (a window replayed where it was captured). Under Lightning a window is
+    captured into a :class:`~moc_lightning.window_file.WindowSlot` in shared memory instead."""
+
+    device: torch.device | str = "cpu"
+    _buffers: dict[BufferKey, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = self._buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        return buffer
+
+
 @dataclass
 class WindowRecord:
     """What one window captured: each unit's full state at its ``t_u``, and the compute weights of the frozen
-    units at each offset. The copies go into buffers the record allocates at its first window and reuses in
-    the next ones (a fresh allocation is several times slower than a copy)."""
+    units at each offset. The copies go into ``buffers``, allocated at the first window and reused in the next ones
+    (a fresh allocation is several times slower than a copy)."""
 
     schedule: Mapping[Unit, int]
     """``t_u`` of every unit (:func:`window_schedule`)."""
     window: int | None = None
     """W; defaults to the last offset of ``schedule`` plus one."""
-    device: torch.device | str = "cpu"
+    buffers: Buffers = field(default_factory=ProcessBuffers)
     """Where the copies live: host memory, as snapshots do."""
     full: dict[Unit, dict[str, torch.Tensor]] = field(default_factory=dict, init=False)
     """Full state (:meth:`Layout.tensors` keys; this rank's pieces of it) of each unit captured so far in this
@@ -140,7 +166,6 @@ class WindowRecord:
     logged: list[dict[str, torch.Tensor]] = field(default_factory=list, init=False)
     """Per offset, the weights and buffers (:meth:`Layout.model_tensors` keys; this rank's pieces of them) of the
     units frozen there."""
-    _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -172,24 +197,16 @@ class WindowRecord:
         sources: list[torch.Tensor] = []
         for unit in (u for u, tu in self.schedule.items() if tu == t):
             state = layout.pieces([unit])  # read live: a unit's optimizer state appears at its first token
-            self.full[unit] = {key: self._buffer(-1, key, tensor) for key, tensor in state.items()}
+            self.full[unit] = {key: self.buffers.buffer((FULL, key), tensor) for key, tensor in state.items()}
             targets += self.full[unit].values()
             sources += state.values()
         frozen = layout.model_pieces([u for u, tu in self.schedule.items() if tu > t])
-        self.logged.append({key: self._buffer(t, key, tensor) for key, tensor in frozen.items()})
+        self.logged.append({key: self.buffers.buffer((t, key), tensor) for key, tensor in frozen.items()})
         targets += self.logged[t].values()
         sources += frozen.values()
         if targets:  # one call for the whole capture rather than a dispatch per tensor (the last offset may have none)
             torch._foreach_copy_(targets, sources)
         return sum(b.numel() * b.element_size() for b in targets)
-
-    def _buffer(self, t: int, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The reused buffer ``tensor`` is copied into (``t = -1`` for full states: each unit's is taken once a
-        window), made anew when the live tensor's shape or dtype changed."""
-        buffer = self._buffers.get((t, key))
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self._buffers[(t, key)] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-        return buffer
 
 
 def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) -> None:

@@ -41,12 +41,11 @@ same on every holder of a unit in every mode.
 from __future__ import annotations
 
 import contextlib
-import io
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import lightning as L
 import torch
@@ -54,15 +53,15 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.serialization import config as serialization_config
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
 from moc_lightning.layout import Layout
 from moc_lightning.lineage import Lineage
-from moc_lightning.replay import Replay, WindowRecord
-from moc_lightning.replay_memory import WINDOWS_KEPT, window_plan
+from moc_lightning.replay import Buffers, Replay, WindowRecord
+from moc_lightning.replay_memory import window_plan
 from moc_lightning.units import DenseUnit, parse_unit
+from moc_lightning.window_file import FULL, WINDOW_SLOTS, Region, read_buffer, read_file
 from moc_lightning.zero import ZeroAdamW
 
 PRECISIONS: dict[str, tuple[str, ...]] = {
@@ -177,38 +176,30 @@ class WindowLog:
     def end_step(self) -> int:
         return self.start_step + self.record.window
 
-    def save(self, file: BinaryIO, lineage: Lineage | None) -> None:
-        """Serialise the window into the open binary ``file`` (:meth:`from_bytes` and :meth:`from_file` read it).
-
-        Without torch.save's CRC32 of every record (a zip archive's own checksums, which ``torch.load`` does not
-        check): every copy of a window carries the CRC32C of all its bytes in its head already, and the CRC32 took a
-        third of the CPU of serialising into a file (a small_16e window, 338 MB: ~240 against ~170 ms). The
-        switch is process-wide (torch's serialization config) for the duration of the save: a ``torch.save`` on
-        another thread meanwhile also skips its records' CRC32, and still loads."""
+    def tail(self, lineage: Lineage | None) -> dict[str, Any]:
+        """Everything of the window but its tensors' bytes (:mod:`moc_lightning.window_file`): each tensor is named by
+        its capture buffer, which :meth:`WindowSlot.seal` turns into its place in the file."""
         record = self.record
-        payload = {
+        return {
             "lineage": lineage.stamp() if lineage is not None else None,
             "window": record.window,
             "schedule": {unit.key: t for unit, t in record.schedule.items()},
-            "full": {unit.key: state for unit, state in record.full.items()},
-            "logged": record.logged,
+            "full": {unit.key: {key: Region((FULL, key)) for key in state} for unit, state in record.full.items()},
+            "logged": [{key: Region((t, key)) for key in logged} for t, logged in enumerate(record.logged)],
             **{name: getattr(self, name) for name in ("start_step", "schedulers", "param_groups", "trainer_state")},
             "iterations": [asdict(it) for it in self.iterations],
         }
-        with serialization_config.patch({"save.compute_crc32": False}):
-            torch.save(payload, file)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> tuple[WindowLog, dict[str, Any] | None]:
-        """The window and the lineage stamp it was written under."""
-        # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it
-        return cls._from_payload(torch.load(io.BytesIO(data), weights_only=False))
+        """The window held in ``data`` (a window file's bytes) and the lineage stamp it was written under."""
+        return cls._from_payload(read_buffer(data))
 
     @classmethod
     def from_file(cls, path: Path) -> tuple[WindowLog, dict[str, Any] | None]:
-        """:meth:`from_bytes` of a file, mapped: the tensors are views of its pages (a file replaced later keeps
-        its old pages mapped), so nothing is read until the tensors are."""
-        return cls._from_payload(torch.load(path, weights_only=False, mmap=True))
+        """:meth:`from_bytes` of a window file, mapped: the tensors are views of its pages, so nothing is read until
+        the tensors are."""
+        return cls._from_payload(read_file(path))
 
     @classmethod
     def _from_payload(cls, payload: dict[str, Any]) -> tuple[WindowLog, dict[str, Any] | None]:
@@ -223,12 +214,15 @@ class WindowLog:
 
 
 class WindowCapture:
-    """Captures every iteration into :data:`WINDOWS_KEPT` alternating :class:`WindowLog` and hands each completed
-    one to storage."""
+    """Captures every iteration into the windows ``open_slot`` gives (window ``k`` into slot ``k`` mod
+    :data:`~moc_lightning.window_file.WINDOW_SLOTS`) and returns each completed one for its hand-over."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, open_slot: Callable[[int], Buffers]) -> None:
+        """``open_slot(k)``: the buffers window number ``k`` is captured into, given up by the window they held."""
         self.window = window
-        self.logs: list[WindowLog | None] = [None] * WINDOWS_KEPT
+        self.open_slot = open_slot
+        self.logs: dict[int, WindowLog] = {}
+        """Per slot, the window captured into it last."""
         self._begun: tuple[int, Iteration] | None = None
         self.copied_bytes: list[int] = []
         """Bytes each captured iteration copied, in order."""
@@ -248,15 +242,16 @@ class WindowCapture:
         step, iteration = self._begun
         self._begun = None
         k, t = divmod(step, self.window)
-        log = self.logs[k % WINDOWS_KEPT]
+        log = self.logs.get(k % WINDOW_SLOTS)
         if t == 0:
+            buffers = self.open_slot(k)
             if log is None:
                 schedule, _ = window_plan(layout, self.window)  # the plan the memory report sized
                 check_same(
                     {u.key: t for u, t in schedule.items() if isinstance(u, DenseUnit)},
                     "the replay window's offsets of the dense units",
                 )
-                log = self.logs[k % WINDOWS_KEPT] = WindowLog(WindowRecord(schedule, self.window))
+                log = self.logs[k % WINDOW_SLOTS] = WindowLog(WindowRecord(schedule, self.window, buffers))
             log.start_step, log.iterations, log.trainer_state = step, [], None
             log.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
             groups = trainer.optimizers[0].param_groups

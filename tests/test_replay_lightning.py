@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_run import Recorder, fit, fit_or_crash, moc_config
+from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.window_store import MEMORY_SUFFIX, window_object
+from moc_lightning.window_store import window_object
 
 MAX_STEPS = 12
 WINDOW = 3
@@ -105,10 +106,10 @@ def test_the_resume_reports_what_it_restored_and_from_where_apart_from_the_repla
     replay apart; from storage once the node's shared memory is lost. Failed on ad6b118 (no such fields)."""
     crash = _crash_step()
     fit_or_crash(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, Recorder(crash_after=crash), gradient_clip_val=CLIP)
-    [memory] = (tmp_path / "shm").rglob(f"*{MEMORY_SUFFIX}")
-    window_bytes = memory.stat().st_size  # storage holds the same bytes
+    memory = window_slots(tmp_path / "shm")
+    window_bytes = memory[0].stat().st_size  # storage holds the same bytes
     if source == "storage":
-        memory.unlink()
+        shutil.rmtree(tmp_path / "shm")  # the node's shared memory is lost
     resumed = Recorder(at=(MAX_STEPS,))
     logger = CSVLogger(tmp_path / "logs", name="", version="")
     moc = fit(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, [resumed], logger=logger, gradient_clip_val=CLIP)
