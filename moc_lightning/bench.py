@@ -21,6 +21,7 @@ import copy
 import ctypes
 import functools
 import gc
+import itertools
 import math
 import os
 import shutil
@@ -546,13 +547,15 @@ class MoCMethod(Method):
 
 class ReplayMethod(MoCMethod):
     """``MoCCheckpoint`` with ``checkpoint.mode=replay``: every iteration captures a window offset (the full state of
-    its active units, the weights of the frozen ones) on the training thread, and each complete window is handed
-    to a background thread that places it in shared memory and then writes it to storage; a recovery restores the
-    newest window and replays up to W-1 iterations before the first step.
+    its active units, the weights of the frozen ones) into a window slot in shared memory, copied while the next
+    forward and backward run; each complete window is handed to a background thread that seals it and writes every
+    ``persist_every``-th to storage; a recovery restores the newest window and replays up to W-1 iterations before
+    the first step.
 
-    Its stall is every iteration's batch-end hook (capture, and every W iterations the hand-over, which waits for
-    the previous window's writes if they are still running), as the issue measures it (a snapshot every
-    iteration); its "snapshot" is a capture, its "persist" a window's storage write (in the background), its
+    Its stall is every iteration's batch-end hook (the capture's hand-off, and every W iterations the hand-over,
+    which waits for the previous window's writes if they are still running) plus the wait for the copy before the
+    next optimizer step, as the issue measures it (a snapshot every iteration); its "snapshot" is a capture, its
+    "persist" a window's storage write (in the background), its
     "checkpoint" on disk the newest window object (rank 0's objects alternate), and its eq. 5/6 bytes are a
     window's tensor bytes (every unit's full state once, plus the logged weights).
     """
@@ -567,8 +570,9 @@ class ReplayMethod(MoCMethod):
         )
         self.window = window
         self.notes = (
-            f"replay window W={window}: a capture every iteration on the training thread; each complete window "
-            "written to shared memory and then storage by a background thread"
+            f"replay window W={window}: a capture every iteration into shared memory, overlapping the next forward and "
+            f"backward; every {'' if persist_every == 1 else f'{persist_every}th '}window written to storage by a "
+            "background thread"
         )
 
     def attach(self, trainer: L.Trainer) -> None:

@@ -410,7 +410,7 @@ class MoCCheckpoint(Checkpoint):
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
-            self.windows.hand_over(window, engine.lineage)
+            self.windows.hand_over(window, engine.lineage, self.capture.pending)
         if self._probe is not None and self._probe.end():
             self._choose_window(trainer)
         engine.poll_persist()
@@ -447,6 +447,8 @@ class MoCCheckpoint(Checkpoint):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self.capture is not None:
+            self.capture.join()  # the step changes what the last capture copies
         engine = self.engine
         had_snapshot = engine.stats.snapshots
         engine.wait_snapshot()
@@ -486,6 +488,8 @@ class MoCCheckpoint(Checkpoint):
         return self.config.persist_on_fit_end and 0 < trainer.max_steps <= trainer.global_step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.capture is not None:
+            self.capture.join()
         if self.windows is not None:
             self.windows.flush()
         self.engine.finish()
@@ -503,6 +507,9 @@ class MoCCheckpoint(Checkpoint):
             self._remove_snapshots()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.capture is not None:  # a fit that raised: no copy may outlive it into a slot the next fit reuses
+            with contextlib.suppress(Exception):  # the fit's own error is what matters
+                self.capture.join()
         if self.tokens is not None:
             self.tokens.close()
             self.tokens = None

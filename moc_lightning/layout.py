@@ -149,6 +149,11 @@ def buffer_key(unit: Unit, local_name: str) -> str:
     return f"{unit.key}/buffer/{local_name}"
 
 
+def is_buffer_key(key: str) -> bool:
+    """Whether a state-dict key names a persistent buffer (:func:`buffer_key`)."""
+    return "/buffer/" in key
+
+
 def slot_key(unit: Unit, slot: ParamSlot) -> str:
     """The key of a slot's own tensor (weight or buffer)."""
     return buffer_key(unit, slot.local_name) if slot.buffer else param_key(unit, slot.local_name)

@@ -187,26 +187,36 @@ class WindowRecord:
     def capture(self, layout: Layout, t: int) -> int:
         """Capture offset ``t`` from ``layout``'s live tensors (see the module docstring for when); returns the
         bytes copied. Offset 0 starts a new window, dropping the previous one's contents (not its buffers)."""
+        copies = self.plan(layout, t)
+        copy_all([(target, source) for _, target, source in copies])
+        return sum(target.numel() * target.element_size() for _, target, _ in copies)
+
+    def plan(self, layout: Layout, t: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """What capturing offset ``t`` copies, ``(key, buffer, live tensor)``, with the buffers in place in
+        :attr:`full` and :attr:`logged`: :meth:`capture` copies them now; a caller may copy them later, as long as
+        nothing changes the live tensors before (:class:`~moc_lightning.replay_driver.WindowCapture`)."""
         if t == 0:
             self.full.clear()
             self.logged.clear()
         if t != self.captured:
             raise ValueError(f"replay captures go 0, 1, ..., {self.window - 1} in order; got offset {t} after "
                              f"{self.captured} captured")
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
+        copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for unit in (u for u, tu in self.schedule.items() if tu == t):
             state = layout.pieces([unit])  # read live: a unit's optimizer state appears at its first token
             self.full[unit] = {key: self.buffers.buffer((FULL, key), tensor) for key, tensor in state.items()}
-            targets += self.full[unit].values()
-            sources += state.values()
+            copies += [(key, self.full[unit][key], tensor) for key, tensor in state.items()]
         frozen = layout.model_pieces([u for u, tu in self.schedule.items() if tu > t])
         self.logged.append({key: self.buffers.buffer((t, key), tensor) for key, tensor in frozen.items()})
-        targets += self.logged[t].values()
-        sources += frozen.values()
-        if targets:  # one call for the whole capture rather than a dispatch per tensor (the last offset may have none)
-            torch._foreach_copy_(targets, sources)
-        return sum(b.numel() * b.element_size() for b in targets)
+        copies += [(key, self.logged[t][key], tensor) for key, tensor in frozen.items()]
+        return copies
+
+
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its target: one call for all rather than a dispatch per tensor (an offset may have none)."""
+    if pairs:
+        targets, sources = zip(*pairs)
+        torch._foreach_copy_(list(targets), list(sources))
 
 
 def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
-from moc_lightning.layout import Layout
+from moc_lightning.background import background_executor
+from moc_lightning.layout import Layout, is_buffer_key
 from moc_lightning.lineage import Lineage
-from moc_lightning.replay import Buffers, Replay, WindowRecord
+from moc_lightning.replay import Buffers, Replay, WindowRecord, copy_all
 from moc_lightning.replay_memory import window_plan
 from moc_lightning.units import DenseUnit, parse_unit
 from moc_lightning.window_file import FULL, WINDOW_SLOTS, Region, read_buffer, read_file
@@ -215,7 +217,16 @@ class WindowLog:
 
 class WindowCapture:
     """Captures every iteration into the windows ``open_slot`` gives (window ``k`` into slot ``k`` mod
-    :data:`~moc_lightning.window_file.WINDOW_SLOTS`) and returns each completed one for its hand-over."""
+    :data:`~moc_lightning.window_file.WINDOW_SLOTS`) and returns each completed one for its hand-over.
+
+    An iteration's capture copies the persistent buffers at once, on the training thread (a forward may update them),
+    and the weights and optimizer state on a copy thread while the next iteration's forward and backward run:
+    nothing changes those before the next optimizer step, and :meth:`join`, called before it, waits for the copy
+    (that wait is the capture's stall beyond its hook). So does anything that reads the window: the seal of a
+    completed one waits for its last copy (:attr:`pending`). As a CUDA snapshot's side-stream copy overlaps the next
+    forward, this one overlaps it on the host; the copy thread keeps to one intra-op thread
+    (:mod:`moc_lightning.background`).
+    """
 
     def __init__(self, window: int, open_slot: Callable[[int], Buffers]) -> None:
         """``open_slot(k)``: the buffers window number ``k`` is captured into, given up by the window they held."""
@@ -224,10 +235,15 @@ class WindowCapture:
         self.logs: dict[int, WindowLog] = {}
         """Per slot, the window captured into it last."""
         self._begun: tuple[int, Iteration] | None = None
+        self._copier = background_executor("moc-capture")
+        self.pending: Future[float] | None = None
+        """The copy in flight (its result: the seconds it took), until :meth:`join`."""
         self.copied_bytes: list[int] = []
         """Bytes each captured iteration copied, in order."""
         self.copy_seconds: list[float] = []
-        """Seconds each captured iteration's copy took, in order."""
+        """Seconds each captured iteration's copy took (on the training thread and the copy thread), in order."""
+        self.wait_seconds: list[float] = []
+        """Per :meth:`join` that found a copy, how long the training thread waited for it."""
 
     def begin(self, step: int, batch: Any, batch_idx: int) -> None:
         """At the batch start: the iteration's batch and RNG, before anything in the step draws from it."""
@@ -236,7 +252,9 @@ class WindowCapture:
 
     def end(self, trainer: L.Trainer, layout: Layout, own_key: str) -> WindowLog | None:
         """At the batch end (after the optimizer step and the schedulers): capture the offset; returns the window
-        when this iteration completed it. A window whose first iteration this process did not see is skipped."""
+        when this iteration completed it (its last copy may still be in flight: :attr:`pending`). A window whose
+        first iteration this process did not see is skipped."""
+        self.join()
         if self._begun is None:
             return None
         step, iteration = self._begun
@@ -259,13 +277,34 @@ class WindowCapture:
         elif log is None or log.start_step != step - t or log.record.captured != t:
             return None
         start = time.perf_counter()
-        self.copied_bytes.append(log.record.capture(layout, t))
+        copies = log.record.plan(layout, t)
+        copy_all([(target, source) for key, target, source in copies if is_buffer_key(key)])
+        self.pending = self._copier.submit(
+            _timed_copy, [(target, source) for key, target, source in copies if not is_buffer_key(key)]
+        )
         self.copy_seconds.append(time.perf_counter() - start)
+        self.copied_bytes.append(sum(target.numel() * target.element_size() for _, target, _ in copies))
         log.iterations.append(iteration)
         if t < self.window - 1:
             return None
         log.trainer_state = trainer_state.capture(trainer, own_key)
         return log
+
+    def join(self) -> None:
+        """Wait for the copy in flight, before anything changes what it copies (the next optimizer step) or reads
+        what it wrote; raises what it raised."""
+        if self.pending is not None:
+            start = time.perf_counter()
+            copy, self.pending = self.pending, None
+            seconds = copy.result()
+            self.wait_seconds.append(time.perf_counter() - start)
+            self.copy_seconds[-1] += seconds
+
+
+def _timed_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    start = time.perf_counter()
+    copy_all(pairs)
+    return time.perf_counter() - start
 
 
 WINDOW_PREFIX = "replay_window."

@@ -318,13 +318,14 @@ class WindowStore:
         self.slots[slot].begin()
         return self.slots[slot]
 
-    def hand_over(self, log: WindowLog, lineage: Lineage | None) -> None:
+    def hand_over(self, log: WindowLog, lineage: Lineage | None, copied: Future[Any] | None = None) -> None:
         """Give a completed window (captured into :meth:`open_slot`'s slot of its index) to the background thread,
-        once the previous one is sealed and stored; raises what the previous window's background work raised."""
+        once the previous one is sealed and stored; it seals the window once ``copied`` (its last capture's copy, if
+        still in flight) is done. Raises what the previous window's background work raised."""
         start = time.perf_counter()
         self._wait()
         index = log.start_step // log.record.window
-        self._job = self._worker.submit(self._seal_and_store, log, lineage, index)
+        self._job = self._worker.submit(self._seal_and_store, log, lineage, index, copied)
         self._job_slot = index % WINDOW_SLOTS
         self.stall_seconds.append(time.perf_counter() - start)
 
@@ -414,9 +415,11 @@ class WindowStore:
             job, self._job, self._job_slot = self._job, None, None
             job.result()
 
-    def _seal_and_store(self, log: WindowLog, lineage: Lineage | None, index: int) -> None:
-        """Seal window number ``index`` in its slot, then, if it is due, copy the slot's file to storage; each with
-        its head."""
+    def _seal_and_store(self, log: WindowLog, lineage: Lineage | None, index: int, copied: Future[Any] | None) -> None:
+        """Seal window number ``index`` in its slot once ``copied`` is done, then, if it is due, copy the slot's file
+        to storage; each with its head."""
+        if copied is not None:
+            copied.result()
         slot = index % WINDOW_SLOTS
         memory = self._place("memory", slot)
         head = WindowHead.of(log, lineage, self.slots[slot].seal(log.tail(lineage)))
