@@ -31,8 +31,7 @@ SIZES = {u: UnitBytes(weights=100, optimizer=200, weight_numel=25) for u in UNIT
 SIZES[dense("embed")] = UnitBytes(weights=400, optimizer=800, weight_numel=100)
 PEAKS = {w: peak_copy_bytes(SIZES, w) for w in range(1, len(UNITS) + 1)}
 HALVES = {
-    u: UnitBytes(weights=s.weights // 2, optimizer=s.optimizer // 2, weight_numel=s.weight_numel // 2, buffers=s.buffers)
-    for u, s in SIZES.items()
+    u: UnitBytes(s.weights // 2, s.optimizer // 2, s.weight_numel // 2, buffers=s.buffers) for u, s in SIZES.items()
 }
 """One rank's pieces of :data:`SIZES` under FSDP2 on 2 ranks: half of every weight and optimizer tensor."""
 HALVES[dense("head")] = SIZES[dense("head")]
@@ -77,7 +76,7 @@ def test_under_sharding_auto_weighs_the_copy_of_this_ranks_pieces_under_the_sche
     assert whole.window > choice.window, "sized whole, each offset's copy looks twice as large, and W too"
     assert choose_window(SIZES, copy_bandwidth=bandwidth, iteration_seconds=iteration, local=SIZES) == whole
     with pytest.raises(ValueError, match="the same units"):
-        choose_window(SIZES, copy_bandwidth=bandwidth, iteration_seconds=iteration, local={dense("head"): SIZES[dense("head")]})
+        choose_window(SIZES, bandwidth, iteration, local={dense("head"): SIZES[dense("head")]})
 
 
 def test_auto_is_one_when_a_full_copy_fits() -> None:
@@ -139,7 +138,7 @@ def _fit_auto(rank: int, world_size: int, root: str, data_parallel: str = "ddp",
         "choice": asdict(moc.window_choice),
         "window": moc.capture.window,
         "copied": list(moc.window_memory.per_iteration),
-        "whole": [sum(s.total for s in window_sizes(layout).values()), sum(s.total for s in window_sizes(layout, local=True).values())],
+        "whole": [sum(s.total for s in window_sizes(layout, local=local).values()) for local in (False, True)],
     }
 
 
