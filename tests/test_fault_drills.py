@@ -249,12 +249,36 @@ def test_the_drill_report_has_plt_and_replay_iterations_in_either_mode() -> None
         (["scenario=crash_in_persist", "mode=replay"],
          "scenario=crash_in_persist with mode=replay: replay mode takes no snapshots or persists; choose crash or node_loss"),
         (["scenario=crash", "mode=sparse"], "mode='sparse' is not one of pec, replay"),
+        (["scenario=crash", "data_parallel=fsdp"], "data_parallel='fsdp' is not one of ddp, zero2, fsdp2, hsdp"),
     ],
 )  # fmt: skip
 def test_the_drill_refuses_a_mode_it_cannot_run(tmp_path: Path, args: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as refused:
         _fault_drill_recipe().parse([*args, f"out={tmp_path / 'drill.json'}"])
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("data_parallel", "overrides"),
+    [
+        ("ddp", {"trainer.data_parallel=ddp"}),
+        ("zero2", {"trainer.data_parallel=zero2"}),
+        ("fsdp2", {"trainer.data_parallel=fsdp2"}),
+        ("hsdp", {"trainer.data_parallel=hsdp", "trainer.hsdp_shard_size=2"}),
+    ],
+)
+def test_the_drill_trains_under_the_data_parallel_mode_it_is_given(
+    tmp_path: Path, data_parallel: str, overrides: set[str]
+) -> None:
+    """``data_parallel=`` is the job's ``trainer.data_parallel`` (``ddp`` by default); under ``hsdp`` a shard group is
+    a simulated node's ranks, so that the other node holds a replica of every piece."""
+    drill = _fault_drill_recipe()
+    args = drill.parse(["scenario=crash", "mode=replay", f"data_parallel={data_parallel}", f"out={tmp_path / 'd.json'}"])
+    command = drill.command(args, tmp_path, steps=40)
+    assert overrides <= set(command) and "checkpoint.mode=replay" in command
+    assert sum(arg.startswith("trainer.data_parallel=") for arg in command) == 1
+    default = drill.parse(["scenario=crash", f"out={tmp_path / 'd.json'}"])
+    assert "trainer.data_parallel=ddp" in drill.command(default, tmp_path, steps=40)
 
 
 @pytest.mark.parametrize(
