@@ -226,21 +226,22 @@ def _fault_drill_recipe():
 
 def test_the_drill_report_has_plt_and_replay_iterations_in_either_mode() -> None:
     """``out`` holds the faulty rank's report with ``plt`` and ``replay_iterations`` (0 under PEC, which replays no
-    window) beside the scenario, the mode and every rank's report."""
+    window) beside the scenario, the mode, the data-parallel mode and every rank's report."""
     drill = _fault_drill_recipe()
     pec = {"resume_step": 20, "plt": 0.012, "sources": {"dense/embed": {"level": "memory_local", "step": 20}},
            "recover_seconds": 0.1}  # fmt: skip
     replayed = {"mode": "replay", "window_start": 16, "resume_step": 20, "replay_iterations": 3,
                 "replay_seconds": 0.2, "plt": 0.0}  # fmt: skip
     for mode, report, iterations in (("pec", pec, 0), ("replay", replayed, 3)):
-        result = drill.drill_result({0: report, 1: report}, "crash", 1, mode)
+        result = drill.drill_result({0: report, 1: report}, "crash", 1, mode, "zero2")
         assert result["plt"] == report["plt"] and result["replay_iterations"] == iterations
         assert (result["scenario"], result["mode"], result["faulty_rank"]) == ("crash", mode, 1)
+        assert result["data_parallel"] == "zero2"
         assert set(result["ranks"]) == {0, 1}
         line = drill.summary(result)
-        assert f"replay_iterations={iterations}" in line and "plt=" in line
+        assert f"replay_iterations={iterations}" in line and "plt=" in line and "under zero2" in line
     with pytest.raises(SystemExit, match="rank 2 wrote no recovery report"):
-        drill.drill_result({0: pec}, "node_loss", 2, "pec")
+        drill.drill_result({0: pec}, "node_loss", 2, "pec", "ddp")
 
 
 @pytest.mark.parametrize(
