@@ -53,7 +53,7 @@ from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.copy_speed import copy_gbps
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
-from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_data_parallel
+from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
@@ -109,7 +109,8 @@ PAPER_K = (4, 1)
 """The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
 GB = 1e9
 BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
-"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (``hsdp`` is not benched yet)."""
+"""``data_parallel`` modes the benchmark runs, of :data:`~moc_lightning.models.causal_lm.DATA_PARALLEL` (``hsdp`` is not
+benched yet)."""
 SETUP = "every method trains the same model from one seed on the same batches"
 K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
 RESTORE_BOUND = 2.0
@@ -591,8 +592,10 @@ class ReplayMethod(MoCMethod):
         return wrapper
 
     def stalls(self) -> list[float]:
-        """Every iteration's hook: the capture, and every W iterations the window's hand-over."""
-        return [s for _, s in self.probe.blocking]
+        """Every iteration's hook (the capture's buffers and its hand-off to the copy thread, and every W iterations
+        the window's hand-over), plus waiting for that copy before the next optimizer step."""
+        waits = self.checkpoint.capture.wait_seconds
+        return [hook + wait for (_, hook), wait in itertools.zip_longest(self.probe.blocking, waits, fillvalue=0.0)]
 
     def checkpoints(self) -> list[Path]:
         """The newest window this process wrote (one of the objects rank 0 alternates)."""

@@ -17,7 +17,6 @@ create (:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two mom
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moc_lightning.checkpointer import expected_state_bytes
@@ -44,12 +43,6 @@ def window_plan(layout: Layout, window: int) -> tuple[dict[Unit, int], dict[Unit
     planned with: the same for the report before training, the choice of W and the captures."""
     sizes = window_sizes(layout)
     return window_schedule(list(sizes), window, sizes), sizes
-
-
-def copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> list[int]:
-    """Bytes each offset of a window of ``window`` iterations copies, under the schedule :func:`window_plan` plans
-    for units of ``sizes``."""
-    return offset_bytes(sizes, window_schedule(list(sizes), window, sizes), window)
 
 
 @dataclass(frozen=True)
