@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 
+from moc_lightning import replay_driver
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.window_store import window_object
 
@@ -94,6 +96,28 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
     assert "moc/replay_iterations" in logged and "moc/replay_seconds" in logged
     written = json.loads((tmp_path / "run" / "moc_recovery" / "rank0.json").read_text())  # what fault drills read
     assert written == {"mode": "replay", **asdict(report)}
+    assert _differing(final, uninterrupted) == []
+
+
+@pytest.mark.xdist_group("replay_lightning")
+def test_a_capture_copied_behind_the_next_forward_is_waited_for_before_the_next_step(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights and optimizer state are copied on a copy thread while the next forward and backward run. With every
+    copy starting 0.3 s late, the training thread waits for it (before the next optimizer step), and the run still
+    ends bitwise after the crash and replay: a copy running into the step would capture the stepped state, and the
+    replay would start from it. Failed on afddab3 (the capture copied on the training thread: no copy thread)."""
+    copy = replay_driver._timed_copy
+
+    def late(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        time.sleep(0.3)
+        return copy(pairs)
+
+    monkeypatch.setattr(replay_driver, "_timed_copy", late)
+    final, moc = _crash_and_resume(tmp_path, "replay")
+    waits = moc.capture.wait_seconds
+    print(f"{len(waits)} copies waited for, {max(waits) * 1e3:.0f} ms at most")
+    assert max(waits) > 0.1, "the batch-end hook returned before its copy was done"
     assert _differing(final, uninterrupted) == []
 
 
