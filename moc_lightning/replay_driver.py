@@ -9,12 +9,15 @@ RNG streams as the iteration began; the LR schedulers' state and the optimizer's
 window's first iteration (those its second one used); and the trainer state after its last iteration
 (:mod:`moc_lightning.trainer_state`: loops, the train loader's position, RNG), which Lightning resumes from.
 
-Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a window
-completes, each rank hands its own (its units, batches and RNG streams; under DDP every rank keeps the replicated
-units too, the simplest correct choice; under ZeRO-2 what it holds of them, and under FSDP2/HSDP its pieces of them,
-:mod:`moc_lightning.replay` says why that suffices) to :class:`~moc_lightning.window_store.WindowStore`, which
-places it in node-local shared memory and then in storage off the training thread; on resume the ranks agree on the
-newest window every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
+Windows are captured straight into two slot files in node-local shared memory, alternately
+(:mod:`moc_lightning.window_file`), so the newest complete one stays intact while the next is captured, and the
+weights and optimizer state of an iteration are copied while the next forward and backward run
+(:class:`WindowCapture`). When a window completes, each rank hands its own (its units, batches and RNG streams; under
+DDP every rank keeps the replicated units too, the simplest correct choice; under ZeRO-2 what it holds of them, and
+under FSDP2/HSDP its pieces of them, :mod:`moc_lightning.replay` says why that suffices) to
+:class:`~moc_lightning.window_store.WindowStore`, which seals it in shared memory and writes every
+``persist_every_n_windows``-th to storage off the training thread; on resume the ranks agree on the newest window
+every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
 
 A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``
 called through the strategy, ``on_before_backward``, ``backward``, ``on_after_backward``,

@@ -21,7 +21,7 @@ from the coordinator's own pieces: a window must end at the same step on every r
 largest copy of any rank: a unit's tensors are sharded along dim 0 in :func:`torch.chunk`'s pieces, the first never
 smaller than another.
 
-The budget weighs the copy only. The writes of each completed window to shared memory and storage run off the
+The budget weighs the copy only. The seal of each completed window in shared memory and its storage write run off the
 training thread (:mod:`moc_lightning.window_store`); what the training thread waits for them at a hand-over (the
 previous window's writes, when slower than a window) is not in it.
 """
@@ -42,9 +42,10 @@ from moc_lightning.replay_memory import window_sizes
 from moc_lightning.units import Unit
 
 COPY_BUDGET = 0.05
-"""Fraction of an iteration one iteration's copy may take. The capture copies on the training thread (the window is
-captured synchronously in this slice of replay mode), so every byte it copies is time the iteration waits, and
-issue 14 allows replay mode 5% iteration overhead over training without checkpoints."""
+"""Fraction of an iteration one iteration's copy may take. The capture copies its weights and optimizer state on a
+copy thread behind the next forward and backward (:class:`~moc_lightning.replay_driver.WindowCapture`), but on a host
+with few cores that thread takes a core from training for as long as it copies, so every byte still costs iteration
+time; issue 14 allows replay mode 5% iteration overhead over training without checkpoints."""
 WARMUP_ITERATIONS = 1
 """Iterations not timed: the first one allocates the optimizer state and warms caches."""
 MEASURED_ITERATIONS = 3
