@@ -149,6 +149,11 @@ def buffer_key(unit: Unit, local_name: str) -> str:
     return f"{unit.key}/buffer/{local_name}"
 
 
+def is_state_key(key: str) -> bool:
+    """Whether a state-dict key names optimizer state (:func:`state_key`)."""
+    return "/optim/" in key
+
+
 def is_buffer_key(key: str) -> bool:
     """Whether a state-dict key names a persistent buffer (:func:`buffer_key`)."""
     return "/buffer/" in key
@@ -297,6 +302,17 @@ class Layout:
         if loaded:  # one call for all rather than a dispatch per tensor (a restore copies thousands)
             with torch.no_grad():
                 torch._foreach_copy_([targets[key] for key in loaded], list(loaded.values()))
+
+    def state_keys(self, units: Iterable[Unit]) -> dict[Unit, set[str]]:
+        """The optimizer-state keys (as :meth:`tensors` names them) each of ``units`` has now, without taking a view
+        of any tensor."""
+        return {
+            unit: {
+                state_key(unit, slot.local_name, name)
+                for slot in self.slots[unit] if not slot.buffer for name in self._state(slot.param)
+            }
+            for unit in units
+        }
 
     def reset_optimizer_state(self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]) -> None:
         """Give the parameters of ``units`` exactly the optimizer state ``specs`` lists, as new zero tensors

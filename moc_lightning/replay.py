@@ -61,7 +61,7 @@ from typing import Protocol
 
 import torch
 
-from moc_lightning.layout import Layout, TensorSpec, UnitBytes
+from moc_lightning.layout import Layout, TensorSpec, UnitBytes, is_state_key
 from moc_lightning.units import ExpertUnit, Unit
 from moc_lightning.window_file import FULL, BufferKey
 
@@ -219,21 +219,26 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_copy_(list(targets), list(sources))
 
 
-def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) -> None:
-    """Put ``unit``'s live weights, optimizer state and buffers at ``state`` (one of :attr:`WindowRecord.full`).
+def restore_units(layout: Layout, states: Mapping[Unit, Mapping[str, torch.Tensor]]) -> None:
+    """Put the live weights, optimizer state and buffers of each unit of ``states`` at its state (one of
+    :attr:`WindowRecord.full`): one pass over the live tensors and one copy for all of them, since a restore puts
+    hundreds of units in place.
 
-    The optimizer state is recreated first when the live one has other entries (a fresh optimizer has none;
+    A unit's optimizer state is recreated first when the live one has other entries (a fresh optimizer has none;
     an expert that had no token when captured must have none), and only then: recreating a stacked
     parameter's state zeroes its other experts' slices, which may already be restored.
     """
-    model_keys = set(layout.model_tensors([unit]))
-    optimizer_keys = set(layout.tensors([unit])) - model_keys
-    saved: dict[str, TensorSpec] = {
-        key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if key not in model_keys
-    }
-    if set(saved) != optimizer_keys:
-        layout.reset_optimizer_state([unit], saved)
-    layout.copy_in(state)
+    live = layout.state_keys(states)
+    saved: dict[str, TensorSpec] = {}
+    stale = []
+    for unit, state in states.items():
+        specs = {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if is_state_key(key)}
+        if set(specs) != live[unit]:
+            stale.append(unit)
+        saved.update(specs)
+    if stale:
+        layout.reset_optimizer_state(stale, saved)
+    layout.copy_in({key: tensor for state in states.values() for key, tensor in state.items()})
 
 
 class Replay:
@@ -291,8 +296,7 @@ class Replay:
 
     def _restore(self, units: Iterable[Unit]) -> None:
         start = time.perf_counter()
-        for unit in units:
-            restore_unit(self.layout, unit, self.record.full[unit])
+        restore_units(self.layout, {unit: self.record.full[unit] for unit in units})
         self.restore_seconds += time.perf_counter() - start
 
 
