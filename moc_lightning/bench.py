@@ -219,16 +219,19 @@ def timed(
 
 
 class StepClock(L.Callback):
-    """Start time of every training iteration; with ``stop_after_first``, training stops after one."""
+    """Start time of every training iteration, wall clock and this process's CPU time (every thread's: training's
+    and the checkpointing threads'); with ``stop_after_first``, training stops after one."""
 
     def __init__(self, stop_after_first: bool = False) -> None:
         self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
         self.stop_after_first = stop_after_first
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -239,6 +242,10 @@ class StepClock(L.Callback):
     def iteration_seconds(self, skip: int) -> list[float]:
         """Start-to-start durations: each includes whatever checkpointing blocked that iteration."""
         return [b - a for a, b in zip(self.starts, self.starts[1:])][skip:]
+
+    def cpu_seconds(self, skip: int) -> list[float]:
+        """Start-to-start CPU time of the process: each includes what checkpointing threads used meanwhile."""
+        return [b - a for a, b in zip(self.cpu_starts, self.cpu_starts[1:])][skip:]
 
 
 @dataclass
@@ -268,6 +275,8 @@ class Row:
     overhead_pct: float | None = None
     paired_baseline_iter_ms: float | None = None
     paired_overhead_pct: float | None = None
+    cpu_overhead_pct: float | None = None
+    paired_cpu_overhead_pct: float | None = None
     stall_overhead_pct: float | None = None
     bytes_per_iteration: float | None = None
     bytes_per_checkpoint: int | None = None
@@ -297,6 +306,8 @@ class Baseline:
 
     iteration_s: float
     """Mean iteration time without checkpointing."""
+    cpu_s: float
+    """Mean CPU time of the process per iteration without checkpointing."""
     state_bytes: int
     """Weights and optimizer state."""
     copy_gbps: float
@@ -890,6 +901,7 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
         iter_ms_mean=_mean_ms(iterations),
         iter_ms_median=round(statistics.median(iterations) * 1000, 3),
         overhead_pct=_overhead_pct(iterations, base.iteration_s),
+        cpu_overhead_pct=_overhead_pct(run.clock.cpu_seconds(cfg.warmup_steps), base.cpu_s),
         bytes_per_checkpoint=on_disk,
         tensor_bytes_per_checkpoint=round(statistics.fmean(map(tensor_bytes, checkpoints))) if checkpoints else None,
         expected_bytes=round(method.expected_bytes(run.trainer)),
@@ -933,12 +945,14 @@ def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: 
     except MethodUnavailable as why:
         return Row(name=name, skipped=str(why))
     with method.session():
-        beside = no_checkpoint_iteration_s(cfg, root / "baseline") if method.paired else None
+        beside = no_checkpoint_times(cfg, root / "baseline") if method.paired else None
         run = fit(cfg, root / "run", method.callbacks(), method.attach)
         row = measure(method, run, cfg, base)
         if beside is not None:
-            row.paired_baseline_iter_ms = round(beside * 1000, 3)
-            row.paired_overhead_pct = _overhead_pct(run.clock.iteration_seconds(cfg.warmup_steps), beside)
+            wall, cpu = beside
+            row.paired_baseline_iter_ms = round(wall * 1000, 3)
+            row.paired_overhead_pct = _overhead_pct(run.clock.iteration_seconds(cfg.warmup_steps), wall)
+            row.paired_cpu_overhead_pct = _overhead_pct(run.clock.cpu_seconds(cfg.warmup_steps), cpu)
         method.release()
         del run
         release_memory()
@@ -1033,6 +1047,7 @@ def baseline(cfg: BenchConfig, work: Path) -> Baseline:
     state_bytes = _state_bytes(run.trainer)
     base = Baseline(
         iteration_s=_iteration_s(cfg, run),
+        cpu_s=statistics.fmean(run.clock.cpu_seconds(cfg.warmup_steps)),
         state_bytes=state_bytes,
         copy_gbps=round(copy_gbps(_state_tensors(run.trainer)), 3),
         write_fsync_gbps=round(write_fsync_gbps(work, state_bytes), 3),
@@ -1046,9 +1061,11 @@ def _iteration_s(cfg: BenchConfig, run: Fit) -> float:
     return statistics.fmean(run.clock.iteration_seconds(cfg.warmup_steps))
 
 
-def no_checkpoint_iteration_s(cfg: BenchConfig, run_dir: Path) -> float:
-    """Mean iteration time of a run without checkpointing, trained now (beside a method's run)."""
-    seconds = _iteration_s(cfg, fit(cfg, run_dir, []))
+def no_checkpoint_times(cfg: BenchConfig, run_dir: Path) -> tuple[float, float]:
+    """Mean iteration time and CPU time per iteration of a run without checkpointing, trained now (beside a method's
+    run)."""
+    run = fit(cfg, run_dir, [])
+    seconds = _iteration_s(cfg, run), statistics.fmean(run.clock.cpu_seconds(cfg.warmup_steps))
     release_memory()
     return seconds
 
@@ -1100,6 +1117,7 @@ TABLE = (
     ("iter ms", "iter_ms_mean"),
     ("overhead %", "overhead_pct"),
     ("overhead % beside", "paired_overhead_pct"),
+    ("CPU overhead %", "cpu_overhead_pct"),
     ("stall % of iter", "stall_overhead_pct"),
     ("bytes/iter", "bytes_per_iteration"),
     ("bytes/ckpt", "bytes_per_checkpoint"),
@@ -1150,7 +1168,9 @@ def _replay_lines(result: dict[str, Any]) -> list[str]:
         line,
         f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration (timers); "
         f"iteration times: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right before it "
-        f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline",
+        f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline; CPU time "
+        f"of the process per iteration (every thread): {replay.get('paired_cpu_overhead_pct')}% against the run "
+        f"beside it, {replay.get('cpu_overhead_pct')}% against the baseline",
         *_restore_lines(replay, result["speed_of_light"]["copy_gbps"]),
     ]
 

@@ -54,6 +54,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same, from_coordinator
+from moc_lightning.background import spare_core
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints, resolve_last
 from moc_lightning.config import AUTO, CheckpointConfig
@@ -434,7 +435,12 @@ class MoCCheckpoint(Checkpoint):
         """Captures of windows of ``window`` iterations into this rank's slots, allocated now rather than at the first
         captures (:meth:`WindowSlot.reserve`)."""
         self.windows.reserve(self.window_memory.window_bytes)
-        return WindowCapture(window, self.windows.open_slot)
+        behind = spare_core()
+        if self.engine.rank == 0:
+            print("[moc_lightning] replay captures copy weights and optimizer state "
+                  + ("behind the next forward and backward, on a copy thread" if behind else
+                     "on the training thread (no core left free for a copy thread: moc_lightning.background.spare_core)"))
+        return WindowCapture(window, self.windows.open_slot, behind)
 
     def _check_window_memory(self, layout: Layout, window: int, rank: int, node_root: Path) -> None:
         """``mode=replay``: report the windows' host memory and refuse a shared-memory root that cannot hold them,

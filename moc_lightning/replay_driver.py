@@ -222,19 +222,22 @@ class WindowCapture:
     """Captures every iteration into the windows ``open_slot`` gives (window ``k`` into slot ``k`` mod
     :data:`~moc_lightning.window_file.WINDOW_SLOTS`) and returns each completed one for its hand-over.
 
-    An iteration's capture copies the persistent buffers at once, on the training thread (a forward may update them),
-    and the weights and optimizer state on a copy thread while the next iteration's forward and backward run:
-    nothing changes those before the next optimizer step, and :meth:`join`, called before it, waits for the copy
-    (that wait is the capture's stall beyond its hook). So does anything that reads the window: the seal of a
-    completed one waits for its last copy (:attr:`pending`). As a CUDA snapshot's side-stream copy overlaps the next
-    forward, this one overlaps it on the host; the copy thread keeps to one intra-op thread
-    (:mod:`moc_lightning.background`).
+    With ``behind``, an iteration's capture copies the persistent buffers at once, on the training thread (a forward
+    may update them), and the weights and optimizer state on a copy thread while the next iteration's forward and
+    backward run: nothing changes those before the next optimizer step, and :meth:`join`, called before it, waits for
+    the copy (that wait is the capture's stall beyond its hook). So does anything that reads the window: the seal of
+    a completed one waits for its last copy (:attr:`pending`). As a CUDA snapshot's side-stream copy overlaps the
+    next forward, this one overlaps it on the host; the copy thread keeps to one intra-op thread. It pays only where
+    a core is free for it (:func:`~moc_lightning.background.spare_core`); without ``behind`` the whole capture is
+    copied on the training thread.
     """
 
-    def __init__(self, window: int, open_slot: Callable[[int], Buffers]) -> None:
-        """``open_slot(k)``: the buffers window number ``k`` is captured into, given up by the window they held."""
+    def __init__(self, window: int, open_slot: Callable[[int], Buffers], behind: bool) -> None:
+        """``open_slot(k)``: the buffers window number ``k`` is captured into, given up by the window they held;
+        ``behind``: copy weights and optimizer state on a copy thread, behind the next forward and backward."""
         self.window = window
         self.open_slot = open_slot
+        self.behind = behind
         self.logs: dict[int, WindowLog] = {}
         """Per slot, the window captured into it last."""
         self._begun: tuple[int, Iteration] | None = None
@@ -281,10 +284,10 @@ class WindowCapture:
             return None
         start = time.perf_counter()
         copies = log.record.plan(layout, t)
-        copy_all([(target, source) for key, target, source in copies if is_buffer_key(key)])
-        self.pending = self._copier.submit(
-            _timed_copy, [(target, source) for key, target, source in copies if not is_buffer_key(key)]
-        )
+        later = [(target, source) for key, target, source in copies if self.behind and not is_buffer_key(key)]
+        copy_all([(target, source) for key, target, source in copies if not self.behind or is_buffer_key(key)])
+        if later:
+            self.pending = self._copier.submit(_timed_copy, later)
         self.copy_seconds.append(time.perf_counter() - start)
         self.copied_bytes.append(sum(target.numel() * target.element_size() for _, target, _ in copies))
         log.iterations.append(iteration)

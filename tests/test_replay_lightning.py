@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 
-from moc_lightning import replay_driver
+from moc_lightning import callback, replay_driver
+from moc_lightning.background import spare_core
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.window_store import window_object
 
@@ -103,7 +104,8 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
 def test_a_capture_copied_behind_the_next_forward_is_waited_for_before_the_next_step(
     tmp_path: Path, uninterrupted: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Weights and optimizer state are copied on a copy thread while the next forward and backward run. With every
+    """Where a core is free for it, weights and optimizer state are copied on a copy thread while the next forward and
+    backward run. With every
     copy starting 0.3 s late, the training thread waits for it (before the next optimizer step), and the run still
     ends bitwise after the crash and replay: a copy running into the step would capture the stepped state, and the
     replay would start from it. Failed on afddab3 (the capture copied on the training thread: no copy thread)."""
@@ -114,7 +116,9 @@ def test_a_capture_copied_behind_the_next_forward_is_waited_for_before_the_next_
         return copy(pairs)
 
     monkeypatch.setattr(replay_driver, "_timed_copy", late)
+    monkeypatch.setattr(callback, "spare_core", lambda: True)  # a core free for the copy thread, as on a GPU node
     final, moc = _crash_and_resume(tmp_path, "replay")
+    assert moc.capture.behind
     waits = moc.capture.wait_seconds
     print(f"{len(waits)} copies waited for, {max(waits) * 1e3:.0f} ms at most")
     assert max(waits) > 0.1, "the batch-end hook returned before its copy was done"
@@ -200,3 +204,21 @@ def test_replay_under_bf16_mixed_ends_bitwise_on_the_uninterrupted_state(tmp_pat
     final, moc = _crash_and_resume(tmp_path / "faulty", "replay", precision="bf16-mixed")
     assert moc.replay_report.replay_iterations == WINDOW - 1
     assert _differing(final, straight.states[MAX_STEPS]) == []
+
+
+@pytest.mark.parametrize(
+    ("cores", "threads", "ranks", "spare"),
+    [(2, 2, None, False), (2, 1, "2", False), (96, 1, "8", True), (4, 2, None, True)],
+)
+def test_a_copy_thread_is_used_only_where_the_ranks_leave_a_core_free(
+    monkeypatch: pytest.MonkeyPatch, cores: int, threads: int, ranks: str | None, spare: bool
+) -> None:
+    """The node's ranks (torchrun's LOCAL_WORLD_SIZE) share its cores, each with its intra-op threads: on this
+    2-core machine neither one process of 2 threads nor 2 ranks of 1 leave a core for a copy thread."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    assert spare_core() is spare
