@@ -139,7 +139,7 @@ class BenchConfig:
     warmup_steps: int = 2
     """Leading iterations left out of the mean iteration time (allocator and thread-pool warm-up)."""
     replay_window: int = 4
-    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration and completes a window every W."""
+    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration, completing a window every W."""
     replay_persist_every_n_windows: int = 1
     """``moc_replay``'s ``checkpoint.replay.persist_every_n_windows``: every window goes to shared memory, every this
     many to storage."""

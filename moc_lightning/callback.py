@@ -439,7 +439,7 @@ class MoCCheckpoint(Checkpoint):
         if self.engine.rank == 0:
             print("[moc_lightning] replay captures copy weights and optimizer state "
                   + ("behind the next forward and backward, on a copy thread" if behind else
-                     "on the training thread (no core left free for a copy thread: moc_lightning.background.spare_core)"))
+                     "on the training thread (no core is left free for a copy thread: background.spare_core)"))
         return WindowCapture(window, self.windows.open_slot, behind)
 
     def _check_window_memory(self, layout: Layout, window: int, rank: int, node_root: Path) -> None:

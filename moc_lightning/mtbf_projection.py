@@ -111,7 +111,8 @@ class MeasuredCosts:
             k1_stall=k1["stall_ms_mean"] / 1000,
             k1_recover=k1["recover_seconds"],
             replay_stall_per_iteration=max(
-                replay["stall_ms_per_iteration"], (replay.get("paired_overhead_pct") or 0.0) / 100 * bench["baseline_iter_ms"]
+                replay["stall_ms_per_iteration"],
+                (replay.get("paired_overhead_pct") or 0.0) / 100 * bench["baseline_iter_ms"],
             ) / 1000,
             replay_recover=replay["recover_seconds"],
             replay_seconds=replay["replay_seconds"],
