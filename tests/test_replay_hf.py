@@ -1,12 +1,15 @@
 """``checkpoint.mode=replay`` with MoE models nobody here wrote: Hugging Face Mixtral, Qwen3-MoE and DeepSeek-V3 from
-tiny configs, as a user trains them (``HFCausalLMModule``, the module's defaults, nothing about experts declared).
-``transformers`` 5 keeps each layer's experts STACKED, ``experts.gate_up_proj`` / ``experts.down_proj`` of shape
-``[E, ...]`` (torchtitan's layout), so a window's units are slices of shared tensors; DeepSeek-V3 adds a persistent
-router buffer (``e_score_correction_bias``) and every family the rotary buffers.
+tiny configs, as a user trains them (``HFCausalLMModule``, the module's defaults, nothing about experts declared), and
+a torchtitan-style MoE in the minimal module a user writes around it. ``transformers`` 5 keeps each layer's experts
+STACKED, ``experts.gate_up_proj`` / ``experts.down_proj`` of shape ``[E, ...]``, as torchtitan's ``w1/w2/w3`` are, so
+a window's units are slices of shared tensors, some of them frozen while others train. DeepSeek-V3 adds a persistent
+router buffer (``e_score_correction_bias``); torchtitan's ``expert_bias`` buffer changes in every training forward.
 
 After a crash at a seeded random step past the first window, the resume replays the newest window and the run ends
-bitwise on the uninterrupted run's state. The oracle is this file's own: every parameter and buffer by the module's
-names and every optimizer tensor by ``optimizer.state_dict()``, not MoC's layout."""
+bitwise on the uninterrupted run's state. The oracle is this file's own: the module's ``state_dict()`` (every
+parameter and persistent buffer, by torch's names) and every optimizer tensor of ``optimizer.state_dict()``, not
+MoC's layout. Non-persistent buffers are left out, as every PyTorch checkpoint leaves them out: the toy torchtitan
+model's ``tokens_per_expert`` counts tokens since the process started (torchtitan zeroes it every step)."""
 
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ from lightning_run import Crash, cpu_trainer, moc_config
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.data import DataConfig, LMDataModule, StatefulDataLoader
 
 pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'moc_lightning[hf]')")
 from moc_lightning.models.hf import HFCausalLMModule, HFModelConfig, build_model  # noqa: E402
+from test_hf_families import BATCH, FAMILIES, SEQ, VOCAB, Wrapped  # noqa: E402
 
 MAX_STEPS = 9
 WINDOW = 3
@@ -54,7 +58,7 @@ def _crash_step() -> int:
 
 
 class State(L.Callback):
-    """Every parameter, buffer (persistent or not) and optimizer tensor after step ``at``, by torch's own names;
+    """Every parameter, persistent buffer and optimizer tensor after step ``at``, by torch's own names;
     optionally crashes after step ``crash_after`` once MoC's background writes have landed."""
 
     def __init__(self, at: int | None = None, crash_after: int | None = None) -> None:
@@ -63,8 +67,7 @@ class State(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.at:
-            tensors = {f"param/{k}": v for k, v in module.named_parameters()}
-            tensors |= {f"buffer/{k}": v for k, v in module.named_buffers()}
+            tensors = {f"module/{k}": v for k, v in module.state_dict().items()}
             for index, state in trainer.optimizers[0].state_dict()["state"].items():
                 tensors |= {f"optim/{index}/{k}": v for k, v in state.items() if torch.is_tensor(v)}
             self.state = {k: v.detach().clone() for k, v in tensors.items()}
@@ -75,10 +78,28 @@ class State(L.Callback):
             raise Crash(f"killed after step {trainer.global_step}")
 
 
-def _fit(root: Path, cfg: HFModelConfig, state: State) -> MoCCheckpoint:
-    """One fit (seed 0, the shipped corpus, batches of 4) resuming where MoC says; the Trainer's defaults."""
+class Titan(Wrapped):
+    """``test_hf_families``'s minimal module around the torchtitan-style model, with a loader that resumes where it
+    stopped (replay needs the batches again; a plain ``DataLoader`` starts its epoch over)."""
+
+    def __init__(self) -> None:
+        super().__init__(FAMILIES["torchtitan"])
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        tokens = torch.randint(2, VOCAB, (BATCH * 16, SEQ), generator=torch.Generator().manual_seed(1))
+        return StatefulDataLoader(torch.utils.data.TensorDataset(tokens), batch_size=BATCH)
+
+
+def _fit(root: Path, family: str, state: State) -> MoCCheckpoint:
+    """One fit resuming where MoC says, with the Trainer's defaults: a Hugging Face family (seed 0, the shipped
+    corpus, batches of 4) or ``torchtitan``."""
     config: CheckpointConfig = moc_config(root, mode="replay", replay=ReplayConfig(window=WINDOW))
     moc = MoCCheckpoint(config)
+    trainer = cpu_trainer(root / "run", MAX_STEPS, [moc, state])
+    if family == "torchtitan":
+        trainer.fit(Titan(), ckpt_path=moc.resume_target())
+        return moc
+    cfg = MODELS[family]
     torch.manual_seed(0)
     model = build_model(cfg)
     with torch.no_grad():  # a router bias that is not its initial zeros, so restoring it wrongly would show
@@ -86,25 +107,23 @@ def _fit(root: Path, cfg: HFModelConfig, state: State) -> MoCCheckpoint:
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
     data = LMDataModule(DataConfig(batch_size=4), block_size=cfg.block_size, vocab_size=cfg.vocab_size)
-    trainer = cpu_trainer(root / "run", MAX_STEPS, [moc, state])
     trainer.fit(HFCausalLMModule(model), datamodule=data, ckpt_path=moc.resume_target())
     return moc
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_hf_moe_replay_resume_ends_bitwise_on_the_uninterrupted_state(tmp_path: Path, family: str) -> None:
-    cfg = MODELS[family]
+@pytest.mark.parametrize("family", [*sorted(MODELS), "torchtitan"])
+def test_replay_resume_of_a_foreign_moe_ends_bitwise_on_the_uninterrupted_state(tmp_path: Path, family: str) -> None:
     straight = State(at=MAX_STEPS)
-    _fit(tmp_path / "straight", cfg, straight)
+    _fit(tmp_path / "straight", family, straight)
     with pytest.raises(Crash):
-        _fit(tmp_path / "faulty", cfg, State(crash_after=_crash_step()))
+        _fit(tmp_path / "faulty", family, State(crash_after=_crash_step()))
     resumed = State(at=MAX_STEPS)
-    moc = _fit(tmp_path / "faulty", cfg, resumed)
+    moc = _fit(tmp_path / "faulty", family, resumed)
 
     report = moc.replay_report
     assert report is not None and report.plt == 0.0
     assert report.replay_iterations == WINDOW - 1
-    stacked = [k for k, v in straight.state.items() if k.startswith("param/") and ".experts." in k and v.dim() == 3]
+    stacked = [k for k, v in straight.state.items() if k.startswith("module/") and ".experts." in k and v.dim() == 3]
     assert stacked, f"{family}: no stacked [E, ...] expert tensors; this test is about them"
     assert resumed.state.keys() == straight.state.keys()
     differ = sorted(k for k, v in straight.state.items() if not torch.equal(resumed.state[k], v))
