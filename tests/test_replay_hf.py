@@ -27,7 +27,9 @@ from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.data import DataConfig, LMDataModule, StatefulDataLoader
 
-pytest.importorskip("transformers", reason="the Hugging Face families need transformers (pip install 'moc_lightning[hf]')")
+pytest.importorskip(
+    "transformers", reason="the Hugging Face families need transformers (pip install 'moc_lightning[hf]')"
+)
 from moc_lightning.models.hf import HFCausalLMModule, HFModelConfig, build_model  # noqa: E402
 from test_hf_families import BATCH, FAMILIES, SEQ, VOCAB, Wrapped  # noqa: E402
 
