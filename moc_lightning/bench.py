@@ -21,6 +21,7 @@ import copy
 import ctypes
 import functools
 import gc
+import itertools
 import math
 import os
 import shutil
@@ -52,7 +53,7 @@ from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.copy_speed import copy_gbps
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import Layout, build_layout
-from moc_lightning.models.causal_lm import DATA_PARALLEL, OptimConfig, check_data_parallel
+from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.pieces import piece
 from moc_lightning.models.lightning import GPTMoEModule
@@ -60,6 +61,7 @@ from moc_lightning.read_speed import evict, read_gbps
 from moc_lightning.replay_driver import WINDOW_PREFIX, ReplayReport
 from moc_lightning.size_model import bytes_written, size_model
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
+from moc_lightning.window_file import read_file
 from moc_lightning.window_store import STORAGE_COPIES, memory_head, window_object
 
 try:
@@ -107,7 +109,8 @@ PAPER_K = (4, 1)
 """The paper's (k_snapshot, k_persist) for N=16 experts; scaled to other N by :func:`scaled_k`."""
 GB = 1e9
 BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
-"""``data_parallel`` modes the benchmark runs, of :data:`DATA_PARALLEL` (``hsdp`` is not benched yet)."""
+"""``data_parallel`` modes the benchmark runs, of :data:`~moc_lightning.models.causal_lm.DATA_PARALLEL` (``hsdp`` is not
+benched yet)."""
 SETUP = "every method trains the same model from one seed on the same batches"
 K_SCALING = "moc_paper: k = max(1, round(k_paper * N / 16)) with the paper's k_snapshot=4, k_persist=1 at N=16"
 RESTORE_BOUND = 2.0
@@ -136,7 +139,10 @@ class BenchConfig:
     warmup_steps: int = 2
     """Leading iterations left out of the mean iteration time (allocator and thread-pool warm-up)."""
     replay_window: int = 4
-    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration and writes a window every W."""
+    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration, completing a window every W."""
+    replay_persist_every_n_windows: int = 1
+    """``moc_replay``'s ``checkpoint.replay.persist_every_n_windows``: every window goes to shared memory, every this
+    many to storage."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Methods to run, from :data:`METHODS`."""
     seed: int = 0
@@ -161,7 +167,7 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"methods {unknown} are unknown; choose among: {', '.join(METHODS)}")
         check_data_parallel(self.data_parallel, BENCH_DATA_PARALLEL, by="recipes/bench.py")
-        for name in ("steps", "every_n_train_steps", "devices", "replay_window"):
+        for name in ("steps", "every_n_train_steps", "devices", "replay_window", "replay_persist_every_n_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < self.every_n_train_steps:
@@ -213,16 +219,19 @@ def timed(
 
 
 class StepClock(L.Callback):
-    """Start time of every training iteration; with ``stop_after_first``, training stops after one."""
+    """Start time of every training iteration, wall clock and this process's CPU time (every thread's: training's
+    and the checkpointing threads'); with ``stop_after_first``, training stops after one."""
 
     def __init__(self, stop_after_first: bool = False) -> None:
         self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
         self.stop_after_first = stop_after_first
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -233,6 +242,10 @@ class StepClock(L.Callback):
     def iteration_seconds(self, skip: int) -> list[float]:
         """Start-to-start durations: each includes whatever checkpointing blocked that iteration."""
         return [b - a for a, b in zip(self.starts, self.starts[1:])][skip:]
+
+    def cpu_seconds(self, skip: int) -> list[float]:
+        """Start-to-start CPU time of the process: each includes what checkpointing threads used meanwhile."""
+        return [b - a for a, b in zip(self.cpu_starts, self.cpu_starts[1:])][skip:]
 
 
 @dataclass
@@ -262,6 +275,8 @@ class Row:
     overhead_pct: float | None = None
     paired_baseline_iter_ms: float | None = None
     paired_overhead_pct: float | None = None
+    cpu_overhead_pct: float | None = None
+    paired_cpu_overhead_pct: float | None = None
     stall_overhead_pct: float | None = None
     bytes_per_iteration: float | None = None
     bytes_per_checkpoint: int | None = None
@@ -291,6 +306,8 @@ class Baseline:
 
     iteration_s: float
     """Mean iteration time without checkpointing."""
+    cpu_s: float
+    """Mean CPU time of the process per iteration without checkpointing."""
     state_bytes: int
     """Weights and optimizer state."""
     copy_gbps: float
@@ -542,28 +559,32 @@ class MoCMethod(Method):
 
 class ReplayMethod(MoCMethod):
     """``MoCCheckpoint`` with ``checkpoint.mode=replay``: every iteration captures a window offset (the full state of
-    its active units, the weights of the frozen ones) on the training thread, and each complete window is handed
-    to a background thread that places it in shared memory and then writes it to storage; a recovery restores the
-    newest window and replays up to W-1 iterations before the first step.
+    its active units, the weights of the frozen ones) into a window slot in shared memory, copied while the next
+    forward and backward run; each complete window is handed to a background thread that seals it and writes every
+    ``persist_every``-th to storage; a recovery restores the newest window and replays up to W-1 iterations before
+    the first step.
 
-    Its stall is every iteration's batch-end hook (capture, and every W iterations the hand-over, which waits for
-    the previous window's writes if they are still running), as the issue measures it (a snapshot every
-    iteration); its "snapshot" is a capture, its "persist" a window's storage write (in the background), its
+    Its stall is every iteration's batch-end hook (the capture's hand-off, and every W iterations the hand-over,
+    which waits for the previous window's writes if they are still running) plus the wait for the copy before the
+    next optimizer step, as the issue measures it (a snapshot every iteration); its "snapshot" is a capture, its
+    "persist" a window's storage write (in the background), its
     "checkpoint" on disk the newest window object (rank 0's objects alternate), and its eq. 5/6 bytes are a
     window's tensor bytes (every unit's full state once, plus the logged weights).
     """
 
     paired = True
 
-    def __init__(self, name: str, root: Path, every: int, shm_root: Path, window: int) -> None:
+    def __init__(self, name: str, root: Path, every: int, shm_root: Path, window: int, persist_every: int) -> None:
         super().__init__(
-            name, root, every, shm_root, mode="replay", replay=ReplayConfig(window=window),
+            name, root, every, shm_root, mode="replay",
+            replay=ReplayConfig(window=window, persist_every_n_windows=persist_every),
             remove_snapshots_on_fit_end=False,  # the first recovery, like a crashed process's, finds the copy in memory
         )
         self.window = window
         self.notes = (
-            f"replay window W={window}: a capture every iteration on the training thread; each complete window "
-            "written to shared memory and then storage by a background thread"
+            f"replay window W={window}: a capture every iteration into shared memory, overlapping the next forward and "
+            f"backward; every {'' if persist_every == 1 else f'{persist_every}th '}window written to storage by a "
+            "background thread"
         )
 
     def attach(self, trainer: L.Trainer) -> None:
@@ -582,8 +603,10 @@ class ReplayMethod(MoCMethod):
         return wrapper
 
     def stalls(self) -> list[float]:
-        """Every iteration's hook: the capture, and every W iterations the window's hand-over."""
-        return [s for _, s in self.probe.blocking]
+        """Every iteration's hook (the capture's buffers and its hand-off to the copy thread, and every W iterations
+        the window's hand-over), plus waiting for that copy before the next optimizer step."""
+        waits = self.checkpoint.capture.wait_seconds
+        return [hook + wait for (_, hook), wait in itertools.zip_longest(self.probe.blocking, waits, fillvalue=0.0)]
 
     def checkpoints(self) -> list[Path]:
         """The newest window this process wrote (one of the objects rank 0 alternates)."""
@@ -614,9 +637,8 @@ class ReplayMethod(MoCMethod):
         row.recover_seconds = recover_seconds(cfg, self)
         (row.restore_memory_seconds, row.restore_memory_bytes, row.restore_memory_light_ratio,
          row.replay_seconds) = restore_figures(self._replayed("memory"), base.copy_gbps)  # fmt: skip
-        memory = self.resumed.windows.memory
-        for path in (memory, memory_head(memory)):  # the node's shared memory is lost
-            path.unlink(missing_ok=True)
+        for path in (p for slot in self.resumed.windows.slots for p in (slot.path, memory_head(slot.path))):
+            path.unlink(missing_ok=True)  # the node's shared memory is lost
         storage, rank = self.root / "ckpt", _rank()
         for path in (storage / window_object(rank, index) for index in range(STORAGE_COPIES)):
             if path.exists():
@@ -704,7 +726,7 @@ def make_method(name: str, root: Path, cfg: BenchConfig, shm_root: Path) -> Meth
     if name == "nvrx_local":
         return NvrxMethod(name, root, every)
     if name == "moc_replay":
-        return ReplayMethod(name, root, every, shm_root / name, cfg.replay_window)
+        return ReplayMethod(name, root, every, shm_root / name, cfg.replay_window, cfg.replay_persist_every_n_windows)
     k = {"moc_full": (n, n), "moc_paper": tuple(scaled_k(v, n) for v in PAPER_K), "moc_k1": (1, 1)}[name]
     return MoCMethod(name, root, every, shm_root / name, k_snapshot=k[0], k_persist=k[1])
 
@@ -717,7 +739,8 @@ def disk_bytes(checkpoint: Path) -> int:
 def tensor_bytes(checkpoint: Path) -> int:
     """Bytes of the tensors a checkpoint on disk holds: what eq. 5/6 count, without any file framing.
 
-    Read from a DCP checkpoint's own ``.metadata``, or from a ``torch.save`` file loaded memory-mapped.
+    Read from a DCP checkpoint's own ``.metadata``, from a replay window file (:mod:`moc_lightning.window_file`), or
+    from a ``torch.save`` file loaded memory-mapped.
     """
     if checkpoint.is_dir():
         metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.values()
@@ -726,7 +749,10 @@ def tensor_bytes(checkpoint: Path) -> int:
             for m in metadata
             if isinstance(m, TensorStorageMetadata)
         )
-    loaded = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+    if checkpoint.name.startswith(WINDOW_PREFIX):
+        loaded: Any = read_file(checkpoint)
+    else:
+        loaded = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
     return sum(t.numel() * t.element_size() for t in _tensors_in(loaded))
 
 
@@ -875,6 +901,7 @@ def measure(method: Method, run: Fit, cfg: BenchConfig, base: Baseline) -> Row:
         iter_ms_mean=_mean_ms(iterations),
         iter_ms_median=round(statistics.median(iterations) * 1000, 3),
         overhead_pct=_overhead_pct(iterations, base.iteration_s),
+        cpu_overhead_pct=_overhead_pct(run.clock.cpu_seconds(cfg.warmup_steps), base.cpu_s),
         bytes_per_checkpoint=on_disk,
         tensor_bytes_per_checkpoint=round(statistics.fmean(map(tensor_bytes, checkpoints))) if checkpoints else None,
         expected_bytes=round(method.expected_bytes(run.trainer)),
@@ -918,12 +945,14 @@ def bench_method(name: str, cfg: BenchConfig, work: Path, shm_root: Path, base: 
     except MethodUnavailable as why:
         return Row(name=name, skipped=str(why))
     with method.session():
-        beside = no_checkpoint_iteration_s(cfg, root / "baseline") if method.paired else None
+        beside = no_checkpoint_times(cfg, root / "baseline") if method.paired else None
         run = fit(cfg, root / "run", method.callbacks(), method.attach)
         row = measure(method, run, cfg, base)
         if beside is not None:
-            row.paired_baseline_iter_ms = round(beside * 1000, 3)
-            row.paired_overhead_pct = _overhead_pct(run.clock.iteration_seconds(cfg.warmup_steps), beside)
+            wall, cpu = beside
+            row.paired_baseline_iter_ms = round(wall * 1000, 3)
+            row.paired_overhead_pct = _overhead_pct(run.clock.iteration_seconds(cfg.warmup_steps), wall)
+            row.paired_cpu_overhead_pct = _overhead_pct(run.clock.cpu_seconds(cfg.warmup_steps), cpu)
         method.release()
         del run
         release_memory()
@@ -1018,6 +1047,7 @@ def baseline(cfg: BenchConfig, work: Path) -> Baseline:
     state_bytes = _state_bytes(run.trainer)
     base = Baseline(
         iteration_s=_iteration_s(cfg, run),
+        cpu_s=statistics.fmean(run.clock.cpu_seconds(cfg.warmup_steps)),
         state_bytes=state_bytes,
         copy_gbps=round(copy_gbps(_state_tensors(run.trainer)), 3),
         write_fsync_gbps=round(write_fsync_gbps(work, state_bytes), 3),
@@ -1031,9 +1061,11 @@ def _iteration_s(cfg: BenchConfig, run: Fit) -> float:
     return statistics.fmean(run.clock.iteration_seconds(cfg.warmup_steps))
 
 
-def no_checkpoint_iteration_s(cfg: BenchConfig, run_dir: Path) -> float:
-    """Mean iteration time of a run without checkpointing, trained now (beside a method's run)."""
-    seconds = _iteration_s(cfg, fit(cfg, run_dir, []))
+def no_checkpoint_times(cfg: BenchConfig, run_dir: Path) -> tuple[float, float]:
+    """Mean iteration time and CPU time per iteration of a run without checkpointing, trained now (beside a method's
+    run)."""
+    run = fit(cfg, run_dir, [])
+    seconds = _iteration_s(cfg, run), statistics.fmean(run.clock.cpu_seconds(cfg.warmup_steps))
     release_memory()
     return seconds
 
@@ -1067,6 +1099,7 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         "steps": cfg.steps,
         "every_n_train_steps": cfg.every_n_train_steps,
         "replay_window": cfg.replay_window,
+        "replay_persist_every_n_windows": cfg.replay_persist_every_n_windows,
         "k_scaling": K_SCALING,
         "state_bytes": base.state_bytes,
         "baseline_iter_ms": round(base.iteration_s * 1000, 3),
@@ -1084,6 +1117,7 @@ TABLE = (
     ("iter ms", "iter_ms_mean"),
     ("overhead %", "overhead_pct"),
     ("overhead % beside", "paired_overhead_pct"),
+    ("CPU overhead %", "cpu_overhead_pct"),
     ("stall % of iter", "stall_overhead_pct"),
     ("bytes/iter", "bytes_per_iteration"),
     ("bytes/ckpt", "bytes_per_checkpoint"),
@@ -1134,7 +1168,9 @@ def _replay_lines(result: dict[str, Any]) -> list[str]:
         line,
         f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration (timers); "
         f"iteration times: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right before it "
-        f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline",
+        f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline; CPU time "
+        f"of the process per iteration (every thread): {replay.get('paired_cpu_overhead_pct')}% against the run "
+        f"beside it, {replay.get('cpu_overhead_pct')}% against the baseline",
         *_restore_lines(replay, result["speed_of_light"]["copy_gbps"]),
     ]
 

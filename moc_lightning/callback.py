@@ -55,6 +55,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same, from_coordinator
+from moc_lightning.background import spare_core
 from moc_lightning.checkpointer import MANIFEST, PECCheckpointer
 from moc_lightning.coexistence import allow_with_checkpointing_disabled, check_other_checkpoints, resolve_last
 from moc_lightning.config import AUTO, CheckpointConfig
@@ -77,7 +78,7 @@ from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 from moc_lightning.window_choice import WindowChoice, WindowProbe
-from moc_lightning.window_store import MEMORY_SUFFIX, Restored, WindowStore, memory_path
+from moc_lightning.window_store import MEMORY_SUFFIX, Restored, WindowStore
 
 
 class MoCCheckpoint(Checkpoint):
@@ -194,7 +195,9 @@ class MoCCheckpoint(Checkpoint):
             self._check_window_memory(layout, self.config.replay.window, topology.rank, slot_root.parent)
         self.engine = TwoLevelCheckpointer(pec, SnapshotStore(slot_root, pin_device=pl_module.device), faults)
         if self.config.mode == "replay":
-            self.windows = WindowStore(pec.storage, memory_path(slot_root), topology.rank)
+            self.windows = WindowStore(
+                pec.storage, slot_root, topology.rank, self.config.replay.persist_every_n_windows
+            )
         if self._restored_state:
             pec.load_state_dict(self._restored_state)
 
@@ -361,9 +364,9 @@ class MoCCheckpoint(Checkpoint):
             check_trainer(trainer, pl_module)
             if self.config.replay.window == AUTO:
                 self._probe = WindowProbe()
-            else:
-                self.capture = WindowCapture(self.config.replay.window)
         self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        if self.config.mode == "replay" and self.config.replay.window != AUTO:
+            self.capture = self._window_capture(self.config.replay.window)
         self._slots_sized = False
         self._persists_logged = 0
 
@@ -409,7 +412,7 @@ class MoCCheckpoint(Checkpoint):
             self._last_step = step
             engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
         if self.capture is not None and (window := self.capture.end(trainer, engine.pec.layout, self.state_key)):
-            self.windows.hand_over(window, engine.lineage)
+            self.windows.hand_over(window, engine.lineage, self.capture.pending)
         if self._probe is not None and self._probe.end():
             self._choose_window(trainer)
         engine.poll_persist()
@@ -424,10 +427,21 @@ class MoCCheckpoint(Checkpoint):
         choice = self.window_choice = from_coordinator(lambda: probe.choose(layout), self.engine.pec.process_group)
         rank = self.engine.rank
         self._check_window_memory(layout, choice.window, rank, self._slot_root(rank).parent)
-        self.capture = WindowCapture(choice.window)
+        self.capture = self._window_capture(choice.window)
         _log_now(trainer, choice.metrics())
         if self.engine.rank == 0:
             print(f"[moc_lightning] {choice.describe()}")
+
+    def _window_capture(self, window: int) -> WindowCapture:
+        """Captures of windows of ``window`` iterations into this rank's slots, allocated now rather than at the first
+        captures (:meth:`WindowSlot.reserve`)."""
+        self.windows.reserve(self.window_memory.window_bytes)
+        behind = spare_core()
+        if self.engine.rank == 0:
+            print("[moc_lightning] replay captures copy weights and optimizer state "
+                  + ("behind the next forward and backward, on a copy thread" if behind else
+                     "on the training thread (no core is left free for a copy thread: background.spare_core)"))
+        return WindowCapture(window, self.windows.open_slot, behind)
 
     def _check_window_memory(self, layout: Layout, window: int, rank: int, node_root: Path) -> None:
         """``mode=replay``: report the windows' host memory and refuse a shared-memory root that cannot hold them,
@@ -440,6 +454,8 @@ class MoCCheckpoint(Checkpoint):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self.capture is not None:
+            self.capture.join()  # the step changes what the last capture copies
         engine = self.engine
         had_snapshot = engine.stats.snapshots
         engine.wait_snapshot()
@@ -479,6 +495,8 @@ class MoCCheckpoint(Checkpoint):
         return self.config.persist_on_fit_end and 0 < trainer.max_steps <= trainer.global_step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.capture is not None:
+            self.capture.join()
         if self.windows is not None:
             self.windows.flush()
         self.engine.finish()
@@ -496,6 +514,9 @@ class MoCCheckpoint(Checkpoint):
             self._remove_snapshots()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.capture is not None:  # a fit that raised: no copy may outlive it into a slot the next fit reuses
+            with contextlib.suppress(Exception):  # the fit's own error is what matters
+                self.capture.join()
         if self.tokens is not None:
             self.tokens.close()
             self.tokens = None
@@ -644,7 +665,7 @@ def check_window_memory(config: CheckpointConfig, memory: WindowMemory, node_roo
     if free < needed:
         raise ValueError(
             f"checkpoint.shm_root={config.shm_root} has {free / 1e6:.1f} MB free, but the replay windows need about "
-            f"{needed / 1e6:.1f} MB ({memory.shm_copies} copies x {local_ranks} ranks x "
+            f"{needed / 1e6:.1f} MB ({memory.slots} window slots x {local_ranks} ranks x "
             f"{memory.window_bytes / 1e6:.1f} MB a window at checkpoint.replay.window={memory.window}, up to "
             f"{max(memory.per_iteration) / 1e6:.1f} MB per iteration); use a larger tmpfs, a smaller "
             "checkpoint.replay.window (a window holds every unit's full state once plus the weights of the units "

@@ -67,8 +67,16 @@ class ReplayConfig:
     ``auto``: chosen once the first iterations have run, from their measured time and the measured copy bandwidth
     (:mod:`moc_lightning.window_choice`). Not the default: timing makes it vary from run to run, and tests and
     comparisons want a fixed W."""
+    persist_every_n_windows: int = 1
+    """Write every this many windows to storage (the first window of a run and every n-th after it, by window
+    index, the same on every rank); every window goes to shared memory. A lost node resumes from the newest stored
+    window, a crashed process from the newest one in memory; either way no token is lost, but a lost node
+    recomputes the iterations since the stored window. A stored window is larger than a full checkpoint (every
+    unit's full state plus the logged weights), so on a host with few cores its storage write is most of replay
+    mode's cost (``recipes/bench.py``)."""
 
     def __post_init__(self) -> None:
+        _require_at_least("checkpoint.replay.persist_every_n_windows", self.persist_every_n_windows, 1)
         if isinstance(self.window, str) and self.window != AUTO:
             raise ValueError(f"checkpoint.replay.window={self.window!r} is not allowed; choose an integer >= 1 or {AUTO}")
         if isinstance(self.window, int):

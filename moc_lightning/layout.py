@@ -149,6 +149,11 @@ def buffer_key(unit: Unit, local_name: str) -> str:
     return f"{unit.key}/buffer/{local_name}"
 
 
+def is_state_key(key: str) -> bool:
+    """Whether a state-dict key names optimizer state (:func:`state_key`)."""
+    return "/optim/" in key
+
+
 def is_buffer_key(key: str) -> bool:
     """Whether a state-dict key (:func:`buffer_key`) names a persistent buffer: unlike weights and optimizer state,
     which only an optimizer step changes, a forward may update a buffer in place (norm statistics, a
@@ -296,9 +301,20 @@ class Layout:
         wrong = [(k, list(t.shape), list(targets[k].shape)) for k, t in loaded.items() if t.shape != targets[k].shape]
         if wrong:
             raise ValueError(f"loaded tensors do not match the live shapes (key, loaded, live): {wrong[:5]}")
-        with torch.no_grad():
-            for key, tensor in loaded.items():
-                targets[key].copy_(tensor)
+        if loaded:  # one call for all rather than a dispatch per tensor (a restore copies thousands)
+            with torch.no_grad():
+                torch._foreach_copy_([targets[key] for key in loaded], list(loaded.values()))
+
+    def state_keys(self, units: Iterable[Unit]) -> dict[Unit, set[str]]:
+        """The optimizer-state keys (as :meth:`tensors` names them) each of ``units`` has now, without taking a view
+        of any tensor."""
+        return {
+            unit: {
+                state_key(unit, slot.local_name, name)
+                for slot in self.slots[unit] if not slot.buffer for name in self._state(slot.param)
+            }
+            for unit in units
+        }
 
     def reset_optimizer_state(self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]) -> None:
         """Give the parameters of ``units`` exactly the optimizer state ``specs`` lists, as new zero tensors

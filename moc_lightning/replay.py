@@ -57,11 +57,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from moc_lightning.layout import Layout, TensorSpec, UnitBytes
+from moc_lightning.layout import Layout, TensorSpec, UnitBytes, is_state_key
 from moc_lightning.units import ExpertUnit, Unit
+from moc_lightning.window_file import FULL, BufferKey
 
 
 def window_schedule(
@@ -122,17 +124,41 @@ def offset_bytes(sizes: Mapping[Unit, UnitBytes], schedule: Mapping[Unit, int], 
     ]
 
 
+class Buffers(Protocol):
+    """Where a window's captures are copied: a buffer per :data:`~moc_lightning.window_file.BufferKey`, reused from
+    window to window."""
+
+    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of ``key``, shaped and typed as ``like`` (made anew when ``like``'s shape or dtype changed)."""
+        ...
+
+
+@dataclass
+class ProcessBuffers:
+    """Buffers in this process's memory (a window replayed where it was captured). Under Lightning a window is
+    captured into a :class:`~moc_lightning.window_file.WindowSlot` in shared memory instead."""
+
+    device: torch.device | str = "cpu"
+    _buffers: dict[BufferKey, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = self._buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        return buffer
+
+
 @dataclass
 class WindowRecord:
     """What one window captured: each unit's full state at its ``t_u``, and the compute weights of the frozen
-    units at each offset. The copies go into buffers the record allocates at its first window and reuses in
-    the next ones (a fresh allocation is several times slower than a copy)."""
+    units at each offset. The copies go into ``buffers``, allocated at the first window and reused in the next ones
+    (a fresh allocation is several times slower than a copy)."""
 
     schedule: Mapping[Unit, int]
     """``t_u`` of every unit (:func:`window_schedule`)."""
     window: int | None = None
     """W; defaults to the last offset of ``schedule`` plus one."""
-    device: torch.device | str = "cpu"
+    buffers: Buffers = field(default_factory=ProcessBuffers)
     """Where the copies live: host memory, as snapshots do."""
     full: dict[Unit, dict[str, torch.Tensor]] = field(default_factory=dict, init=False)
     """Full state (:meth:`Layout.tensors` keys; this rank's pieces of it) of each unit captured so far in this
@@ -140,7 +166,6 @@ class WindowRecord:
     logged: list[dict[str, torch.Tensor]] = field(default_factory=list, init=False)
     """Per offset, the weights and buffers (:meth:`Layout.model_tensors` keys; this rank's pieces of them) of the
     units frozen there."""
-    _buffers: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -162,51 +187,58 @@ class WindowRecord:
     def capture(self, layout: Layout, t: int) -> int:
         """Capture offset ``t`` from ``layout``'s live tensors (see the module docstring for when); returns the
         bytes copied. Offset 0 starts a new window, dropping the previous one's contents (not its buffers)."""
+        copies = self.plan(layout, t)
+        copy_all([(target, source) for _, target, source in copies])
+        return sum(target.numel() * target.element_size() for _, target, _ in copies)
+
+    def plan(self, layout: Layout, t: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """What capturing offset ``t`` copies, ``(key, buffer, live tensor)``, with the buffers in place in
+        :attr:`full` and :attr:`logged`: :meth:`capture` copies them now; a caller may copy them later, as long as
+        nothing changes the live tensors before (:class:`~moc_lightning.replay_driver.WindowCapture`)."""
         if t == 0:
             self.full.clear()
             self.logged.clear()
         if t != self.captured:
             raise ValueError(f"replay captures go 0, 1, ..., {self.window - 1} in order; got offset {t} after "
                              f"{self.captured} captured")
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
+        copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for unit in (u for u, tu in self.schedule.items() if tu == t):
             state = layout.pieces([unit])  # read live: a unit's optimizer state appears at its first token
-            self.full[unit] = {key: self._buffer(-1, key, tensor) for key, tensor in state.items()}
-            targets += self.full[unit].values()
-            sources += state.values()
+            self.full[unit] = {key: self.buffers.buffer((FULL, key), tensor) for key, tensor in state.items()}
+            copies += [(key, self.full[unit][key], tensor) for key, tensor in state.items()]
         frozen = layout.model_pieces([u for u, tu in self.schedule.items() if tu > t])
-        self.logged.append({key: self._buffer(t, key, tensor) for key, tensor in frozen.items()})
-        targets += self.logged[t].values()
-        sources += frozen.values()
-        if targets:  # one call for the whole capture rather than a dispatch per tensor (the last offset may have none)
-            torch._foreach_copy_(targets, sources)
-        return sum(b.numel() * b.element_size() for b in targets)
-
-    def _buffer(self, t: int, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The reused buffer ``tensor`` is copied into (``t = -1`` for full states: each unit's is taken once a
-        window), made anew when the live tensor's shape or dtype changed."""
-        buffer = self._buffers.get((t, key))
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self._buffers[(t, key)] = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-        return buffer
+        self.logged.append({key: self.buffers.buffer((t, key), tensor) for key, tensor in frozen.items()})
+        copies += [(key, self.logged[t][key], tensor) for key, tensor in frozen.items()]
+        return copies
 
 
-def restore_unit(layout: Layout, unit: Unit, state: Mapping[str, torch.Tensor]) -> None:
-    """Put ``unit``'s live weights, optimizer state and buffers at ``state`` (one of :attr:`WindowRecord.full`).
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its target: one call for all rather than a dispatch per tensor (an offset may have none)."""
+    if pairs:
+        targets, sources = zip(*pairs)
+        torch._foreach_copy_(list(targets), list(sources))
 
-    The optimizer state is recreated first when the live one has other entries (a fresh optimizer has none;
+
+def restore_units(layout: Layout, states: Mapping[Unit, Mapping[str, torch.Tensor]]) -> None:
+    """Put the live weights, optimizer state and buffers of each unit of ``states`` at its state (one of
+    :attr:`WindowRecord.full`): one pass over the live tensors and one copy for all of them, since a restore puts
+    hundreds of units in place.
+
+    A unit's optimizer state is recreated first when the live one has other entries (a fresh optimizer has none;
     an expert that had no token when captured must have none), and only then: recreating a stacked
     parameter's state zeroes its other experts' slices, which may already be restored.
     """
-    model_keys = set(layout.model_tensors([unit]))
-    optimizer_keys = set(layout.tensors([unit])) - model_keys
-    saved: dict[str, TensorSpec] = {
-        key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if key not in model_keys
-    }
-    if set(saved) != optimizer_keys:
-        layout.reset_optimizer_state([unit], saved)
-    layout.copy_in(state)
+    live = layout.state_keys(states)
+    saved: dict[str, TensorSpec] = {}
+    stale = []
+    for unit, state in states.items():
+        specs = {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if is_state_key(key)}
+        if set(specs) != live[unit]:
+            stale.append(unit)
+        saved.update(specs)
+    if stale:
+        layout.reset_optimizer_state(stale, saved)
+    layout.copy_in({key: tensor for state in states.values() for key, tensor in state.items()})
 
 
 class Replay:
@@ -264,8 +296,7 @@ class Replay:
 
     def _restore(self, units: Iterable[Unit]) -> None:
         start = time.perf_counter()
-        for unit in units:
-            restore_unit(self.layout, unit, self.record.full[unit])
+        restore_units(self.layout, {unit: self.record.full[unit] for unit in units})
         self.restore_seconds += time.perf_counter() - start
 
 

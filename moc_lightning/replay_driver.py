@@ -9,12 +9,15 @@ RNG streams as the iteration began; the LR schedulers' state and the optimizer's
 window's first iteration (those its second one used); and the trainer state after its last iteration
 (:mod:`moc_lightning.trainer_state`: loops, the train loader's position, RNG), which Lightning resumes from.
 
-Two windows alternate in memory, so the newest complete one stays intact while the next is captured. When a window
-completes, each rank hands its own (its units, batches and RNG streams; under DDP every rank keeps the replicated
-units too, the simplest correct choice; under ZeRO-2 what it holds of them, and under FSDP2/HSDP its pieces of them,
-:mod:`moc_lightning.replay` says why that suffices) to :class:`~moc_lightning.window_store.WindowStore`, which
-places it in node-local shared memory and then in storage off the training thread; on resume the ranks agree on the
-newest window every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
+Windows are captured straight into two slot files in node-local shared memory, alternately
+(:mod:`moc_lightning.window_file`), so the newest complete one stays intact while the next is captured, and the
+weights and optimizer state of an iteration are copied while the next forward and backward run
+(:class:`WindowCapture`). When a window completes, each rank hands its own (its units, batches and RNG streams; under
+DDP every rank keeps the replicated units too, the simplest correct choice; under ZeRO-2 what it holds of them, and
+under FSDP2/HSDP its pieces of them, :mod:`moc_lightning.replay` says why that suffices) to
+:class:`~moc_lightning.window_store.WindowStore`, which seals it in shared memory and writes every
+``persist_every_n_windows``-th to storage off the training thread; on resume the ranks agree on the newest window
+every one of them has (:mod:`moc_lightning.window_store` says how, and why three storage objects per rank).
 
 A replayed iteration repeats what Lightning's automatic optimization did in it (the module's ``training_step``
 called through the strategy, ``on_before_backward``, ``backward``, ``on_after_backward``,
@@ -41,12 +44,12 @@ same on every holder of a unit in every mode.
 from __future__ import annotations
 
 import contextlib
-import io
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import lightning as L
 import torch
@@ -54,15 +57,16 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.serialization import config as serialization_config
 
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
-from moc_lightning.layout import Layout
+from moc_lightning.background import background_executor
+from moc_lightning.layout import Layout, is_buffer_key
 from moc_lightning.lineage import Lineage
-from moc_lightning.replay import Replay, WindowRecord
-from moc_lightning.replay_memory import WINDOWS_KEPT, window_plan
+from moc_lightning.replay import Buffers, Replay, WindowRecord, copy_all
+from moc_lightning.replay_memory import window_plan
 from moc_lightning.units import DenseUnit, parse_unit
+from moc_lightning.window_file import FULL, WINDOW_SLOTS, Region, read_buffer, read_file
 from moc_lightning.zero import ZeroAdamW
 
 PRECISIONS: dict[str, tuple[str, ...]] = {
@@ -177,38 +181,30 @@ class WindowLog:
     def end_step(self) -> int:
         return self.start_step + self.record.window
 
-    def save(self, file: BinaryIO, lineage: Lineage | None) -> None:
-        """Serialise the window into the open binary ``file`` (:meth:`from_bytes` and :meth:`from_file` read it).
-
-        Without torch.save's CRC32 of every record (a zip archive's own checksums, which ``torch.load`` does not
-        check): every copy of a window carries the CRC32C of all its bytes in its head already, and the CRC32 took a
-        third of the CPU of serialising into a file (a small_16e window, 338 MB: ~240 against ~170 ms). The
-        switch is process-wide (torch's serialization config) for the duration of the save: a ``torch.save`` on
-        another thread meanwhile also skips its records' CRC32, and still loads."""
+    def tail(self, lineage: Lineage | None) -> dict[str, Any]:
+        """Everything of the window but its tensors' bytes (:mod:`moc_lightning.window_file`): each tensor is named by
+        its capture buffer, which :meth:`WindowSlot.seal` turns into its place in the file."""
         record = self.record
-        payload = {
+        return {
             "lineage": lineage.stamp() if lineage is not None else None,
             "window": record.window,
             "schedule": {unit.key: t for unit, t in record.schedule.items()},
-            "full": {unit.key: state for unit, state in record.full.items()},
-            "logged": record.logged,
+            "full": {unit.key: {key: Region((FULL, key)) for key in state} for unit, state in record.full.items()},
+            "logged": [{key: Region((t, key)) for key in logged} for t, logged in enumerate(record.logged)],
             **{name: getattr(self, name) for name in ("start_step", "schedulers", "param_groups", "trainer_state")},
             "iterations": [asdict(it) for it in self.iterations],
         }
-        with serialization_config.patch({"save.compute_crc32": False}):
-            torch.save(payload, file)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> tuple[WindowLog, dict[str, Any] | None]:
-        """The window and the lineage stamp it was written under."""
-        # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it
-        return cls._from_payload(torch.load(io.BytesIO(data), weights_only=False))
+        """The window held in ``data`` (a window file's bytes) and the lineage stamp it was written under."""
+        return cls._from_payload(read_buffer(data))
 
     @classmethod
     def from_file(cls, path: Path) -> tuple[WindowLog, dict[str, Any] | None]:
-        """:meth:`from_bytes` of a file, mapped: the tensors are views of its pages (a file replaced later keeps
-        its old pages mapped), so nothing is read until the tensors are."""
-        return cls._from_payload(torch.load(path, weights_only=False, mmap=True))
+        """:meth:`from_bytes` of a window file, mapped: the tensors are views of its pages, so nothing is read until
+        the tensors are."""
+        return cls._from_payload(read_file(path))
 
     @classmethod
     def _from_payload(cls, payload: dict[str, Any]) -> tuple[WindowLog, dict[str, Any] | None]:
@@ -223,17 +219,37 @@ class WindowLog:
 
 
 class WindowCapture:
-    """Captures every iteration into :data:`WINDOWS_KEPT` alternating :class:`WindowLog` and hands each completed
-    one to storage."""
+    """Captures every iteration into the windows ``open_slot`` gives (window ``k`` into slot ``k`` mod
+    :data:`~moc_lightning.window_file.WINDOW_SLOTS`) and returns each completed one for its hand-over.
 
-    def __init__(self, window: int) -> None:
+    With ``behind``, an iteration's capture copies the persistent buffers at once, on the training thread (a forward
+    may update them), and the weights and optimizer state on a copy thread while the next iteration's forward and
+    backward run: nothing changes those before the next optimizer step, and :meth:`join`, called before it, waits for
+    the copy (that wait is the capture's stall beyond its hook). So does anything that reads the window: the seal of
+    a completed one waits for its last copy (:attr:`pending`). As a CUDA snapshot's side-stream copy overlaps the
+    next forward, this one overlaps it on the host; the copy thread keeps to one intra-op thread. It pays only where
+    a core is free for it (:func:`~moc_lightning.background.spare_core`); without ``behind`` the whole capture is
+    copied on the training thread.
+    """
+
+    def __init__(self, window: int, open_slot: Callable[[int], Buffers], behind: bool) -> None:
+        """``open_slot(k)``: the buffers window number ``k`` is captured into, given up by the window they held;
+        ``behind``: copy weights and optimizer state on a copy thread, behind the next forward and backward."""
         self.window = window
-        self.logs: list[WindowLog | None] = [None] * WINDOWS_KEPT
+        self.open_slot = open_slot
+        self.behind = behind
+        self.logs: dict[int, WindowLog] = {}
+        """Per slot, the window captured into it last."""
         self._begun: tuple[int, Iteration] | None = None
+        self._copier = background_executor("moc-capture")
+        self.pending: Future[float] | None = None
+        """The copy in flight (its result: the seconds it took), until :meth:`join`."""
         self.copied_bytes: list[int] = []
         """Bytes each captured iteration copied, in order."""
         self.copy_seconds: list[float] = []
-        """Seconds each captured iteration's copy took, in order."""
+        """Seconds each captured iteration's copy took (on the training thread and the copy thread), in order."""
+        self.wait_seconds: list[float] = []
+        """Per :meth:`join` that found a copy, how long the training thread waited for it."""
 
     def begin(self, step: int, batch: Any, batch_idx: int) -> None:
         """At the batch start: the iteration's batch and RNG, before anything in the step draws from it."""
@@ -242,21 +258,24 @@ class WindowCapture:
 
     def end(self, trainer: L.Trainer, layout: Layout, own_key: str) -> WindowLog | None:
         """At the batch end (after the optimizer step and the schedulers): capture the offset; returns the window
-        when this iteration completed it. A window whose first iteration this process did not see is skipped."""
+        when this iteration completed it (its last copy may still be in flight: :attr:`pending`). A window whose
+        first iteration this process did not see is skipped."""
+        self.join()
         if self._begun is None:
             return None
         step, iteration = self._begun
         self._begun = None
         k, t = divmod(step, self.window)
-        log = self.logs[k % WINDOWS_KEPT]
+        log = self.logs.get(k % WINDOW_SLOTS)
         if t == 0:
+            buffers = self.open_slot(k)
             if log is None:
                 schedule, _ = window_plan(layout, self.window)  # the plan the memory report sized
                 check_same(
                     {u.key: t for u, t in schedule.items() if isinstance(u, DenseUnit)},
                     "the replay window's offsets of the dense units",
                 )
-                log = self.logs[k % WINDOWS_KEPT] = WindowLog(WindowRecord(schedule, self.window))
+                log = self.logs[k % WINDOW_SLOTS] = WindowLog(WindowRecord(schedule, self.window, buffers))
             log.start_step, log.iterations, log.trainer_state = step, [], None
             log.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
             groups = trainer.optimizers[0].param_groups
@@ -264,13 +283,34 @@ class WindowCapture:
         elif log is None or log.start_step != step - t or log.record.captured != t:
             return None
         start = time.perf_counter()
-        self.copied_bytes.append(log.record.capture(layout, t))
+        copies = log.record.plan(layout, t)
+        later = [(target, source) for key, target, source in copies if self.behind and not is_buffer_key(key)]
+        copy_all([(target, source) for key, target, source in copies if not self.behind or is_buffer_key(key)])
+        if later:
+            self.pending = self._copier.submit(_timed_copy, later)
         self.copy_seconds.append(time.perf_counter() - start)
+        self.copied_bytes.append(sum(target.numel() * target.element_size() for _, target, _ in copies))
         log.iterations.append(iteration)
         if t < self.window - 1:
             return None
         log.trainer_state = trainer_state.capture(trainer, own_key)
         return log
+
+    def join(self) -> None:
+        """Wait for the copy in flight, before anything changes what it copies (the next optimizer step) or reads
+        what it wrote; raises what it raised."""
+        if self.pending is not None:
+            start = time.perf_counter()
+            copy, self.pending = self.pending, None
+            seconds = copy.result()
+            self.wait_seconds.append(time.perf_counter() - start)
+            self.copy_seconds[-1] += seconds
+
+
+def _timed_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    start = time.perf_counter()
+    copy_all(pairs)
+    return time.perf_counter() - start
 
 
 WINDOW_PREFIX = "replay_window."

@@ -2,38 +2,28 @@
 shared-memory root there (issue 14, item 3), as PEC's snapshot slots are.
 
 A window (:class:`~moc_lightning.replay.WindowRecord`) holds, per iteration, the full state of the units active
-there and the compute weights of the units still frozen; its buffers are allocated at the first window and
-reused. Under FSDP2/HSDP a rank's window holds its pieces of the units (their local shards), and so is counted
-here, under the schedule planned from whole units (the same on every rank). The driver keeps :data:`WINDOWS_KEPT`
-windows so that the newest complete one stays intact while the next is captured, and
-:class:`~moc_lightning.window_store.WindowStore` holds up to :data:`SHM_COPIES` serialized copies in the node's
-shared memory (the newest, and the next one while it replaces it): those count against the
-shared-memory root. Serializing a window for its writes takes one more window-sized buffer for a while; that
-transient copy is not counted. A resume deserializes one window only (the ranks agree on it from the copies'
-heads, :mod:`~moc_lightning.window_store`), and drops it after its replay, before the captures allocate theirs:
-within the windows counted in the process. Sizes come before the optimizer's first step, so a unit without
-optimizer state yet is counted with the state the step will create
-(:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments, without its per-parameter 4-byte
-``step``), within a few bytes per parameter of what the captures copy.
+there and the compute weights of the units still frozen. It is captured straight into one of the rank's
+:data:`~moc_lightning.window_file.WINDOW_SLOTS` files in node-local shared memory (the newest complete window, and the
+one being captured), allocated before the first capture and reused, so the slots are all the memory the windows take:
+none in the process besides. Under FSDP2/HSDP a rank's window holds its pieces of the units (their local shards), and
+so is counted here, under the schedule planned from whole units (the same on every rank). A resume maps the window it
+replays (from a slot, or a storage object: page cache, not process memory) and drops it after its replay. Sizes come
+before the optimizer's first step, so a unit without optimizer state yet is counted with the state the step will
+create (:func:`~moc_lightning.checkpointer.expected_state_bytes`: Adam's two moments, without its per-parameter
+4-byte ``step``), within a few bytes per parameter of what the captures copy; a slot also holds a small tail
+(batches, RNG states, trainer state) that is not counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moc_lightning.checkpointer import expected_state_bytes
 from moc_lightning.layout import Layout, UnitBytes
 from moc_lightning.replay import offset_bytes, window_schedule
 from moc_lightning.units import Unit
-
-WINDOWS_KEPT = 2
-"""Windows in the process at once: the newest complete one, and the one being captured."""
-
-SHM_COPIES = 2
-"""Window copies a rank holds in shared memory at the peak: the newest, and the next one replacing it."""
-
+from moc_lightning.window_file import WINDOW_SLOTS
 
 def window_sizes(layout: Layout, local: bool = False) -> dict[Unit, UnitBytes]:
     """Each unit's bytes with the optimizer state it has, or will have once stepped: whole (what the schedule is
@@ -55,12 +45,6 @@ def window_plan(layout: Layout, window: int) -> tuple[dict[Unit, int], dict[Unit
     return window_schedule(list(sizes), window, sizes), sizes
 
 
-def copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> list[int]:
-    """Bytes each offset of a window of ``window`` iterations copies, under the schedule :func:`window_plan` plans
-    for units of ``sizes``."""
-    return offset_bytes(sizes, window_schedule(list(sizes), window, sizes), window)
-
-
 @dataclass(frozen=True)
 class WindowMemory:
     """Host memory of replay mode on one rank."""
@@ -70,10 +54,8 @@ class WindowMemory:
     frozen ones."""
     window: int
     """W, iterations of a window."""
-    windows_kept: int = WINDOWS_KEPT
-    """Windows the process captures into."""
-    shm_copies: int = SHM_COPIES
-    """Window copies in shared memory at the peak."""
+    slots: int = WINDOW_SLOTS
+    """Window slots in shared memory."""
 
     @property
     def window_bytes(self) -> int:
@@ -81,27 +63,16 @@ class WindowMemory:
         return sum(self.per_iteration)
 
     @property
-    def in_process(self) -> int:
-        """The windows the process captures into."""
-        return self.window_bytes * self.windows_kept
-
-    @property
     def in_shared_memory(self) -> int:
-        """The copies in the node's shared memory (what the shared-memory root must hold for this rank)."""
-        return self.window_bytes * self.shm_copies
-
-    @property
-    def total(self) -> int:
-        """Host memory of the windows, process and shared memory together."""
-        return self.in_process + self.in_shared_memory
+        """The slots in the node's shared memory (what the shared-memory root must hold for this rank): all the host
+        memory of the windows."""
+        return self.window_bytes * self.slots
 
     def describe(self) -> str:
         return (
             f"replay window W={self.window}: {max(self.per_iteration) / 1e6:.1f} MB per iteration at most "
             f"(mean {self.window_bytes / self.window / 1e6:.1f} MB), {self.window_bytes / 1e6:.1f} MB a window; "
-            f"{self.in_process / 1e6:.1f} MB for the {self.windows_kept} windows captured in the process and "
-            f"{self.in_shared_memory / 1e6:.1f} MB for up to {self.shm_copies} copies in shared memory, "
-            f"{self.total / 1e6:.1f} MB in all"
+            f"{self.slots} window slots in shared memory, {self.in_shared_memory / 1e6:.1f} MB in all"
         )
 
 

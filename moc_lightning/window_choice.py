@@ -1,19 +1,27 @@
 """``checkpoint.replay.window=auto``: the replay window W from the measured copy bandwidth and iteration time.
 
 Every iteration replay mode copies the full state of the units active there and the weights of the units still
-frozen (:func:`~moc_lightning.replay_memory.copy_bytes`, as the memory report sizes it). A larger W spreads the full states thinner, so the largest
-copy of an iteration falls, but a resume replays up to W-1 iterations, and the weights logged at the window's
-first offset are a floor no W goes below. So W is the smallest window whose largest per-iteration copy takes at
-most ``COPY_BUDGET`` of an iteration at the measured copy bandwidth; when no W from 1 to the number of units
-fits, the one that copies least (the smallest such W), and the choice says that the budget is not met.
+frozen, under the schedule planned from whole units (:func:`~moc_lightning.replay_memory.window_plan`: the same on
+every rank); under FSDP2/HSDP a rank copies its pieces of them (its local shards), so the copy weighed is of those,
+as the memory report sizes it (:func:`~moc_lightning.replay_memory.window_memory`). A larger W spreads the full
+states thinner, so the largest copy of an iteration falls, but a resume replays up to W-1 iterations, and the weights
+logged at the window's first offset are a floor no W goes below. So W is the smallest window whose largest
+per-iteration copy takes at most ``COPY_BUDGET`` of an iteration at the measured copy bandwidth; when no W from 1 to
+the number of units fits, the one that copies least (the smallest such W), and the choice says that the budget is
+not met.
 
 The inputs are measured in the fit's first iterations (:class:`WindowProbe`): an iteration's time from batch
 start to batch end (forward, backward, optimizer step), the median of ``MEASURED_ITERATIONS`` after
 ``WARMUP_ITERATIONS``; and the copy bandwidth into a reused buffer (:func:`~moc_lightning.copy_speed.copy_gbps`,
-the snapshot's speed of light) over the live state of the units, at most ``MEASURE_BYTES`` of it. No window is
-captured before W is chosen: a fault in those first iterations finds nothing newer to replay.
+the snapshot's speed of light) over this rank's pieces of the live state of the units, at most ``MEASURE_BYTES`` of
+it. No window is captured before W is chosen: a fault in those first iterations finds nothing newer to replay.
 
-The budget weighs the copy only. The writes of each completed window to shared memory and storage run off the
+Every rank takes the coordinator's choice (the callback's :func:`~moc_lightning.agreement.from_coordinator`), made
+from the coordinator's own pieces: a window must end at the same step on every rank. Under FSDP2/HSDP that is the
+largest copy of any rank: a unit's tensors are sharded along dim 0 in :func:`torch.chunk`'s pieces, the first never
+smaller than another.
+
+The budget weighs the copy only. The seal of each completed window in shared memory and its storage write run off the
 training thread (:mod:`moc_lightning.window_store`); what the training thread waits for them at a hand-over (the
 previous window's writes, when slower than a window) is not in it.
 """
@@ -29,13 +37,15 @@ import torch
 
 from moc_lightning.copy_speed import GB, copy_gbps
 from moc_lightning.layout import Layout, UnitBytes
-from moc_lightning.replay_memory import copy_bytes, window_sizes
+from moc_lightning.replay import offset_bytes, window_schedule
+from moc_lightning.replay_memory import window_sizes
 from moc_lightning.units import Unit
 
 COPY_BUDGET = 0.05
-"""Fraction of an iteration one iteration's copy may take. The capture copies on the training thread (the window is
-captured synchronously in this slice of replay mode), so every byte it copies is time the iteration waits, and
-issue 14 allows replay mode 5% iteration overhead over training without checkpoints."""
+"""Fraction of an iteration one iteration's copy may take. The capture copies its weights and optimizer state on a
+copy thread behind the next forward and backward (:class:`~moc_lightning.replay_driver.WindowCapture`), but on a host
+with few cores that thread takes a core from training for as long as it copies, so every byte still costs iteration
+time; issue 14 allows replay mode 5% iteration overhead over training without checkpoints."""
 WARMUP_ITERATIONS = 1
 """Iterations not timed: the first one allocates the optimizer state and warms caches."""
 MEASURED_ITERATIONS = 3
@@ -45,9 +55,13 @@ MEASURE_BYTES = 256 << 20
 a second full state in host memory for a large model."""
 
 
-def peak_copy_bytes(sizes: Mapping[Unit, UnitBytes], window: int) -> int:
-    """The largest copy of one iteration of a window of ``window`` iterations over units of ``sizes``."""
-    return max(copy_bytes(sizes, window))
+def peak_copy_bytes(
+    sizes: Mapping[Unit, UnitBytes], window: int, local: Mapping[Unit, UnitBytes] | None = None
+) -> int:
+    """The largest copy of one iteration of a window of ``window`` iterations, scheduled from whole units of
+    ``sizes``, of this rank's pieces of them sized ``local`` (``sizes`` when the units are not sharded)."""
+    schedule = window_schedule(list(sizes), window, sizes)
+    return max(offset_bytes(sizes if local is None else local, schedule, window))
 
 
 @dataclass(frozen=True)
@@ -92,10 +106,16 @@ class WindowChoice:
 
 
 def choose_window(
-    sizes: Mapping[Unit, UnitBytes], copy_bandwidth: float, iteration_seconds: float, budget: float = COPY_BUDGET
+    sizes: Mapping[Unit, UnitBytes],
+    copy_bandwidth: float,
+    iteration_seconds: float,
+    budget: float = COPY_BUDGET,
+    local: Mapping[Unit, UnitBytes] | None = None,
 ) -> WindowChoice:
     """The smallest W in 1 .. len(sizes) whose largest per-iteration copy takes at most ``budget`` of an iteration
     at ``copy_bandwidth`` (bytes per second); when none does, the smallest W of least copy (module docstring).
+    The schedule of each W is planned from the whole units' ``sizes``; the copy is of this rank's pieces of them,
+    ``local`` (the same units; ``sizes`` when not sharded).
 
     Scans W upwards and stops at the first that fits, one schedule per W: cheap for the tens of units of the
     reference models; a model of thousands of units that fits no W pays a scan of them all.
@@ -108,6 +128,8 @@ def choose_window(
         raise ValueError(f"iteration time must be > 0 seconds, got {iteration_seconds}")
     if not 0 < budget <= 1:
         raise ValueError(f"copy budget must be in (0, 1] of an iteration, got {budget}")
+    if local is not None and set(local) != set(sizes):
+        raise ValueError("the local sizes of a replay window's choice must be of the same units as the whole sizes")
 
     def choice(window: int, peak: int) -> WindowChoice:
         fits = peak / copy_bandwidth <= budget * iteration_seconds
@@ -115,7 +137,7 @@ def choose_window(
 
     least: WindowChoice | None = None
     for window in range(1, len(sizes) + 1):
-        candidate = choice(window, peak_copy_bytes(sizes, window))
+        candidate = choice(window, peak_copy_bytes(sizes, window, local))
         if candidate.fits:
             return candidate
         if least is None or candidate.copy_bytes < least.copy_bytes:
@@ -143,14 +165,19 @@ class WindowProbe:
 
     def choose(self, layout: Layout) -> WindowChoice:
         """W for ``layout``'s units, sized as the memory report and the captures size them
-        (:func:`~moc_lightning.replay_memory.window_sizes`)."""
-        return choose_window(window_sizes(layout), self._bandwidth(layout), statistics.median(self._seconds[WARMUP_ITERATIONS:]))
+        (:func:`~moc_lightning.replay_memory.window_sizes`): scheduled from whole units, copying this rank's
+        pieces of them."""
+        return choose_window(
+            window_sizes(layout), self._bandwidth(layout), statistics.median(self._seconds[WARMUP_ITERATIONS:]),
+            local=window_sizes(layout, local=True),
+        )
 
     @staticmethod
     def _bandwidth(layout: Layout) -> float:
+        """Copy bandwidth over this rank's pieces (a DTensor's local shard, as its captures copy), largest first."""
         tensors: list[torch.Tensor] = []
         total = 0
-        for tensor in sorted(layout.tensors(layout.units).values(), key=lambda t: -t.numel() * t.element_size()):
+        for tensor in sorted(layout.pieces(layout.units).values(), key=lambda t: -t.numel() * t.element_size()):
             if tensors and total >= MEASURE_BYTES:
                 break
             tensors.append(tensor)

@@ -19,6 +19,7 @@ from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.parts import part_of
 from moc_lightning.units import parse_unit
+from moc_lightning.window_store import MEMORY_SUFFIX, WindowHead, memory_head
 
 MODEL = GPTMoEConfig(block_size=32)
 
@@ -129,3 +130,9 @@ class FailFirstCommit(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         fail_first_commit(next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.pec)
+
+
+def window_slots(shm: Path, rank: int = 0) -> list[Path]:
+    """``rank``'s replay window slots under the shared-memory root ``shm`` that hold a sealed window, newest first."""
+    sealed = [p for p in shm.rglob(f"rank{rank}.*{MEMORY_SUFFIX}") if memory_head(p).exists()]
+    return sorted(sealed, key=lambda p: -WindowHead.from_bytes(memory_head(p).read_bytes()).end_step)

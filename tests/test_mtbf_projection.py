@@ -90,6 +90,10 @@ def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
     assert (costs.iteration_seconds, costs.full_stall, costs.k1_stall) == (0.5, 0.04, 0.01)
     assert (costs.replay_stall_per_iteration, costs.replay_recover, costs.replay_seconds) == (0.005, 4.0, 1.5)
     assert (costs.replay_window, costs.num_experts) == (4, 16)
+    bench["methods"][2]["paired_overhead_pct"] = 3.0  # 15 ms of a 500 ms iteration: more than the 5 ms stall
+    assert MeasuredCosts.from_bench(bench).replay_stall_per_iteration == pytest.approx(0.015)
+    bench["methods"][2]["paired_overhead_pct"] = -2.0  # noise: the stall stands
+    assert MeasuredCosts.from_bench(bench).replay_stall_per_iteration == 0.005
     del bench["replay_window"]
     with pytest.raises(ValueError, match=r"does not say moc_replay's window \(replay_window\)"):
         MeasuredCosts.from_bench(bench)

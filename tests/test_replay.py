@@ -14,7 +14,7 @@ from torch import nn
 
 from moc_lightning.layout import Layout, UnitBytes, build_layout
 from moc_lightning.models import GPTMoE, GPTMoEConfig
-from moc_lightning.replay import Replay, WindowRecord, capture_bytes, replay, restore_unit, window_schedule
+from moc_lightning.replay import Replay, WindowRecord, capture_bytes, replay, restore_units, window_schedule
 from moc_lightning.units import ExpertUnit, dense, expert
 
 GPT = GPTMoEConfig(block_size=16, n_layer=2, n_embd=32, num_experts=4, gate_noise=0.1)
@@ -138,7 +138,7 @@ def test_restore_removes_optimizer_state_the_capture_did_not_have() -> None:
     assert set(record.full[idle]) == set(run.layout.model_tensors([idle]))
     weight = run.layout.params[run.layout.param_names(idle)[0]]
     run.optimizer.state[weight] = {"step": torch.tensor(5.0), "exp_avg": torch.ones_like(weight)}
-    restore_unit(run.layout, idle, record.full[idle])
+    restore_units(run.layout, {idle: record.full[idle]})
     assert weight not in run.optimizer.state
 
 
@@ -149,7 +149,7 @@ def test_restoring_the_captures_without_replay_is_not_the_fault_free_state(name:
     fresh = Run(MODELS[name], seed=1)
     record = records[0]
     for unit in fresh.layout.units:
-        restore_unit(fresh.layout, unit, record.full[unit])
+        restore_units(fresh.layout, {unit: record.full[unit]})
     got = fresh.state()
     differ = sorted(k for k, v in oracle[-1].items() if k not in got or not torch.equal(got[k], v))
     stale = [u for u, t in record.schedule.items() if t < window - 1]

@@ -19,14 +19,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning_run import Recorder, fit, fit_or_crash, moc_config
+from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 from storage_faults import os_error
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
 from moc_lightning.storage import make_storage
-from moc_lightning.window_store import MEMORY_SUFFIX, STORAGE_COPIES, window_object
+from moc_lightning.window_store import STORAGE_COPIES, window_object
 
 pytestmark = pytest.mark.xdist_group("replay_background")  # one worker runs the uninterrupted fit once
 
@@ -281,14 +281,14 @@ def test_an_unreadable_copy_in_memory_is_skipped_with_a_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A torn copy in shared memory (not a window) is skipped with one printed line, and the resume takes the
-    newest window in storage."""
+    newest window left: window 0, in the other slot in memory (storage holds it too)."""
     _crash_before_stored(tmp_path, monkeypatch, k=1)
-    (memory,) = (tmp_path / "shm").rglob(f"*{MEMORY_SUFFIX}")
-    memory.write_bytes(b"not a window")
+    newest, _ = window_slots(tmp_path / "shm")
+    newest.write_bytes(b"not a window")
     moc = fit(tmp_path, _config(tmp_path), 2 * WINDOW, [], gradient_clip_val=CLIP)
     out = capsys.readouterr().out
     assert "skipping the replay window in memory" in out and "unreadable" in out
-    assert (moc.replay_report.window_start, moc.replay_report.source) == (0, "storage")
+    assert (moc.replay_report.window_start, moc.replay_report.source) == (0, "memory")
 
 
 def test_a_window_of_another_run_in_memory_or_storage_is_never_resumed(
@@ -297,7 +297,7 @@ def test_a_window_of_another_run_in_memory_or_storage_is_never_resumed(
     """A run that reuses the storage URL with resume=never starts a lineage of its own: when it crashes before its
     first window, the previous run's windows (in memory and in storage) are not its own, and it starts over."""
     first = _crash_before_stored(tmp_path, monkeypatch, k=1)
-    assert list((tmp_path / "shm").rglob(f"*{MEMORY_SUFFIX}")), "the first run left its window in memory"
+    assert window_slots(tmp_path / "shm"), "the first run left its windows in memory"
     config = _config(tmp_path)
     config.resume = "never"
     second = fit_or_crash(tmp_path, config, MAX_STEPS, Recorder(crash_after=WINDOW - 1), gradient_clip_val=CLIP)

@@ -30,6 +30,7 @@ from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL
 from moc_lightning.replay_driver import WindowLog
 from moc_lightning.storage import make_storage
+from moc_lightning.window_file import WINDOW_SLOTS
 from moc_lightning.window_store import MEMORY_SUFFIX, STORAGE_COPIES, head_object, memory_head, window_object
 
 MAX_STEPS = 10
@@ -94,12 +95,12 @@ def _newest_end(crash: int) -> int:
 
 def _lose(root: Path, rank: int, crash: int, memory: bool, storage: bool) -> None:
     """Remove ``rank``'s newest window, with its head, from memory and/or storage."""
+    index = _newest_end(crash) // WINDOW - 1
     if memory:
-        (copy,) = (root / "shm").rglob(f"rank{rank}{MEMORY_SUFFIX}")
+        (copy,) = (root / "shm").rglob(f"rank{rank}.replay_window{index % WINDOW_SLOTS}{MEMORY_SUFFIX}")
         copy.unlink()
         memory_head(copy).unlink()
     if storage:
-        index = _newest_end(crash) // WINDOW - 1
         for name in (window_object(rank, index), head_object(rank, index)):
             (root / "ckpt" / name).unlink()
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -14,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_run import Recorder, fit, fit_or_crash, moc_config
+from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 
+from moc_lightning import callback, replay_driver
+from moc_lightning.background import spare_core
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.window_store import MEMORY_SUFFIX, window_object
+from moc_lightning.window_store import window_object
 
 MAX_STEPS = 12
 WINDOW = 3
@@ -97,6 +101,31 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
 
 
 @pytest.mark.xdist_group("replay_lightning")
+def test_a_capture_copied_behind_the_next_forward_is_waited_for_before_the_next_step(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a core is free for it, weights and optimizer state are copied on a copy thread while the next forward and
+    backward run. With every
+    copy starting 0.3 s late, the training thread waits for it (before the next optimizer step), and the run still
+    ends bitwise after the crash and replay: a copy running into the step would capture the stepped state, and the
+    replay would start from it. Failed on afddab3 (the capture copied on the training thread: no copy thread)."""
+    copy = replay_driver._timed_copy
+
+    def late(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        time.sleep(0.3)
+        return copy(pairs)
+
+    monkeypatch.setattr(replay_driver, "_timed_copy", late)
+    monkeypatch.setattr(callback, "spare_core", lambda: True)  # a core free for the copy thread, as on a GPU node
+    final, moc = _crash_and_resume(tmp_path, "replay")
+    assert moc.capture.behind
+    waits = moc.capture.wait_seconds
+    print(f"{len(waits)} copies waited for, {max(waits) * 1e3:.0f} ms at most")
+    assert max(waits) > 0.1, "the batch-end hook returned before its copy was done"
+    assert _differing(final, uninterrupted) == []
+
+
+@pytest.mark.xdist_group("replay_lightning")
 @pytest.mark.parametrize("source", ["memory", "storage"])
 def test_the_resume_reports_what_it_restored_and_from_where_apart_from_the_replay(
     tmp_path: Path, uninterrupted: dict[str, torch.Tensor], source: str
@@ -105,10 +134,10 @@ def test_the_resume_reports_what_it_restored_and_from_where_apart_from_the_repla
     replay apart; from storage once the node's shared memory is lost. Failed on ad6b118 (no such fields)."""
     crash = _crash_step()
     fit_or_crash(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, Recorder(crash_after=crash), gradient_clip_val=CLIP)
-    [memory] = (tmp_path / "shm").rglob(f"*{MEMORY_SUFFIX}")
-    window_bytes = memory.stat().st_size  # storage holds the same bytes
+    memory = window_slots(tmp_path / "shm")
+    window_bytes = memory[0].stat().st_size  # storage holds the same bytes
     if source == "storage":
-        memory.unlink()
+        shutil.rmtree(tmp_path / "shm")  # the node's shared memory is lost
     resumed = Recorder(at=(MAX_STEPS,))
     logger = CSVLogger(tmp_path / "logs", name="", version="")
     moc = fit(tmp_path, _config(tmp_path, "replay"), MAX_STEPS, [resumed], logger=logger, gradient_clip_val=CLIP)
@@ -175,3 +204,21 @@ def test_replay_under_bf16_mixed_ends_bitwise_on_the_uninterrupted_state(tmp_pat
     final, moc = _crash_and_resume(tmp_path / "faulty", "replay", precision="bf16-mixed")
     assert moc.replay_report.replay_iterations == WINDOW - 1
     assert _differing(final, straight.states[MAX_STEPS]) == []
+
+
+@pytest.mark.parametrize(
+    ("cores", "threads", "ranks", "spare"),
+    [(2, 2, None, False), (2, 1, "2", False), (96, 1, "8", True), (4, 2, None, True)],
+)
+def test_a_copy_thread_is_used_only_where_the_ranks_leave_a_core_free(
+    monkeypatch: pytest.MonkeyPatch, cores: int, threads: int, ranks: str | None, spare: bool
+) -> None:
+    """The node's ranks (torchrun's LOCAL_WORLD_SIZE) share its cores, each with its intra-op threads: on this
+    2-core machine neither one process of 2 threads nor 2 ranks of 1 leave a core for a copy thread."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    assert spare_core() is spare

@@ -1,5 +1,5 @@
 """Replay mode's memory bound (issue 14, item 3): before training, the host memory of a window is reported
-(bytes per iteration, W, the total of the windows kept) and checked against the shared-memory root."""
+(bytes per iteration, W, the two window slots in shared memory) and checked against the shared-memory root."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from lightning_run import Recorder, fit, moc_config
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
+from moc_lightning.window_file import FOOTER
 
 WINDOW = 3
 
@@ -37,16 +38,20 @@ def test_replay_reports_the_window_memory_before_training_as_the_captures_copy_i
     moc = fit(tmp_path, _config(tmp_path, remove_snapshots_on_fit_end=False), 2 * WINDOW, [seen])
     memory = seen.memory
     assert memory is not None, "reported before the first step"
-    assert (memory.window, memory.windows_kept, memory.shm_copies) == (WINDOW, 2, 2)
+    assert (memory.window, memory.slots) == (WINDOW, 2)
     copied = moc.capture.copied_bytes
     assert len(copied) == 2 * WINDOW
     assert copied[:WINDOW] == copied[WINDOW:], "every window copies the same"
     # before the first step Adam's state is estimated as two moments; the captures also copy its 4-byte steps
     assert list(memory.per_iteration) == pytest.approx(copied[:WINDOW], rel=1e-3)
-    assert memory.in_process == pytest.approx(2 * sum(copied[:WINDOW]), rel=1e-3)
-    assert memory.total == pytest.approx(4 * sum(copied[:WINDOW]), rel=1e-3), "2 windows captured, 2 copies in shm"
+    assert memory.in_shared_memory == pytest.approx(2 * sum(copied[:WINDOW]), rel=1e-3), "2 window slots"
+    slots = sorted((tmp_path / "shm").rglob("*.win"))
+    assert len(slots) == 2, "the windows were captured into two files in shared memory"
+    for slot in slots:  # the tensor regions end where the tail begins (the footer's first field)
+        regions = FOOTER.unpack(slot.read_bytes()[-FOOTER.size :])[0]
+        assert regions == pytest.approx(sum(copied[:WINDOW]), rel=1e-2), "a window's captures, aligned"
     out = capsys.readouterr().out
-    assert f"replay window W={WINDOW}" in out and f"{memory.total / 1e6:.1f} MB" in out
+    assert f"replay window W={WINDOW}" in out and f"{memory.in_shared_memory / 1e6:.1f} MB" in out
     assert not list((tmp_path / "shm").rglob("data")), "replay mode reserves no PEC snapshot slots"
 
 
@@ -61,6 +66,6 @@ def test_replay_refuses_a_shared_memory_root_too_small_for_its_windows(
         fit(tmp_path, _config(tmp_path), 2 * WINDOW, [recorder])
     message = str(err.value)
     assert "checkpoint.shm_root=" in message and "has 1.0 MB free" in message
-    assert "replay windows need about" in message and "2 copies x 1 ranks x" in message
+    assert "replay windows need about" in message and "2 window slots x 1 ranks x" in message
     assert f"checkpoint.replay.window={WINDOW}" in message
     assert recorder.start_step is None, "refused before training started"

@@ -13,10 +13,14 @@ from trainee import Trainee
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import ReplayConfig
+from lightning.pytorch.strategies import ModelParallelStrategy
+
 from moc_lightning.layout import UnitBytes, build_layout
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay_memory import window_memory
+from moc_lightning.replay_memory import window_memory, window_sizes
 from moc_lightning.models import ExpertParallelTopology
+from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL
+from moc_lightning.replay import offset_bytes, window_schedule
 from moc_lightning.units import dense, expert
 from moc_lightning.window_choice import COPY_BUDGET, WindowProbe, choose_window, peak_copy_bytes
 
@@ -26,6 +30,12 @@ SIZES = {u: UnitBytes(weights=100, optimizer=200, weight_numel=25) for u in UNIT
 """Adam-like units: the optimizer state twice the weights."""
 SIZES[dense("embed")] = UnitBytes(weights=400, optimizer=800, weight_numel=100)
 PEAKS = {w: peak_copy_bytes(SIZES, w) for w in range(1, len(UNITS) + 1)}
+HALVES = {
+    u: UnitBytes(s.weights // 2, s.optimizer // 2, s.weight_numel // 2, buffers=s.buffers) for u, s in SIZES.items()
+}
+"""One rank's pieces of :data:`SIZES` under FSDP2 on 2 ranks: half of every weight and optimizer tensor."""
+HALVES[dense("head")] = SIZES[dense("head")]
+"""... but the head whole (a unit of plain tensors, replicated on every rank)."""
 
 
 def test_the_peak_copy_falls_with_the_window_towards_the_logged_weights() -> None:
@@ -48,6 +58,25 @@ def test_auto_takes_the_smallest_window_whose_copy_fits_the_budget() -> None:
     assert choose_window(SIZES, copy_bandwidth=bandwidth, iteration_seconds=iteration) == choice, "pure"
     line = choice.describe()
     assert f"W={expected}" in line and "GB/s" in line and "iteration" in line and f"{COPY_BUDGET:.0%}" in line
+
+
+def test_under_sharding_auto_weighs_the_copy_of_this_ranks_pieces_under_the_schedule_of_whole_units() -> None:
+    """Under FSDP2/HSDP a rank copies its pieces of each unit (its local shards), not the whole units its schedule is
+    planned from (the same on every rank): the choice weighs what this rank copies at each offset of that schedule."""
+    local = {
+        w: max(offset_bytes(HALVES, window_schedule(UNITS, w, SIZES), w)) for w in range(1, len(UNITS) + 1)
+    }
+    iteration = 1.0
+    bandwidth = local[2] / (COPY_BUDGET * iteration) * (1 + 1e-9)  # this rank's copy at W=2 takes the budget
+    choice = choose_window(SIZES, copy_bandwidth=bandwidth, iteration_seconds=iteration, local=HALVES)
+    print(local, choice.describe())
+    expected = min(w for w, peak in local.items() if peak <= local[2])
+    assert choice.window == expected and choice.fits and choice.copy_bytes == local[expected]
+    whole = choose_window(SIZES, copy_bandwidth=bandwidth, iteration_seconds=iteration)
+    assert whole.window > choice.window, "sized whole, each offset's copy looks twice as large, and W too"
+    assert choose_window(SIZES, copy_bandwidth=bandwidth, iteration_seconds=iteration, local=SIZES) == whole
+    with pytest.raises(ValueError, match="the same units"):
+        choose_window(SIZES, bandwidth, iteration, local={dense("head"): SIZES[dense("head")]})
 
 
 def test_auto_is_one_when_a_full_copy_fits() -> None:
@@ -94,11 +123,23 @@ def test_bad_inputs_are_refused(kwargs: dict, message: str) -> None:
         choose_window({}, copy_bandwidth=1e9, iteration_seconds=0.1)
 
 
-def _fit_auto(rank: int, world_size: int, root: str) -> dict:
+def _fit_auto(rank: int, world_size: int, root: str, data_parallel: str = "ddp", ep: int = 2) -> dict:
     moc = MoCCheckpoint(moc_config(Path(root), mode="replay", replay=ReplayConfig(window="auto")))
-    trainer = cpu_trainer(Path(root) / "run", 8, [moc], devices=world_size)
-    trainer.fit(GPTMoEModule(MODEL, ep=2, seed=0), datamodule=datamodule(), ckpt_path=moc.resume_target())
-    return {"choice": asdict(moc.window_choice), "window": moc.capture.window}
+    kw = {}
+    if data_parallel in SHARDED_DATA_PARALLEL:
+        kw["strategy"] = ModelParallelStrategy(
+            data_parallel_size=world_size, tensor_parallel_size=1, process_group_backend="gloo"
+        )
+    trainer = cpu_trainer(Path(root) / "run", 8, [moc], devices=world_size, **kw)
+    module = GPTMoEModule(MODEL, ep=ep, seed=0, data_parallel=data_parallel)
+    trainer.fit(module, datamodule=datamodule(), ckpt_path=moc.resume_target())
+    layout = moc.engine.pec.layout
+    return {
+        "choice": asdict(moc.window_choice),
+        "window": moc.capture.window,
+        "copied": list(moc.window_memory.per_iteration),
+        "whole": [sum(s.total for s in window_sizes(layout, local=local).values()) for local in (False, True)],
+    }
 
 
 @pytest.mark.slow
@@ -108,3 +149,16 @@ def test_under_ddp_every_rank_captures_windows_of_the_coordinators_choice(tmp_pa
     ranks = run_ranks(_fit_auto, 2, tmp_path, str(tmp_path), init_process_group=False)
     print(ranks)
     assert ranks[0]["choice"] == ranks[1]["choice"] and ranks[0]["window"] == ranks[1]["window"] == ranks[0]["choice"]["window"]
+
+
+@pytest.mark.slow
+def test_under_fsdp2_the_choice_weighs_each_ranks_shards_and_every_rank_takes_the_coordinators(tmp_path: Path) -> None:
+    """Two FSDP2 ranks: each holds half of every unit's weights and optimizer state. The coordinator's W, chosen from
+    the copy of its pieces (what its captures copy, :func:`window_memory`), not of whole units, is every rank's."""
+    ranks = run_ranks(_fit_auto, 2, tmp_path, str(tmp_path), "fsdp2", 1, init_process_group=False)
+    print(ranks)
+    choice = ranks[0]["choice"]
+    assert ranks[1]["choice"] == choice and ranks[0]["window"] == ranks[1]["window"] == choice["window"]
+    whole, local = ranks[0]["whole"]
+    assert local < whole, "the units are sharded: a rank holds less than the whole of them"
+    assert choice["copy_bytes"] == max(ranks[0]["copied"]), "weighed as its captures copy: its shards"

@@ -6,9 +6,9 @@ that a resume deserializes one window only, and that a re-store failing on one r
 from __future__ import annotations
 
 import errno
-import zipfile
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from moc_lightning.units import dense
 from moc_lightning.window_store import (
     STORAGE_COPIES,
     Candidate,
+    WindowHead,
     WindowStore,
     agree,
     memory_head,
@@ -37,8 +38,8 @@ W = 3
 
 
 def _candidate(window: int, source: str) -> Candidate:
-    head: Any = None  # pick reads the end step and the source only
-    return Candidate((window + 1) * W, source, f"{source} {window}", head)
+    place: Any = SimpleNamespace(source=source)  # pick reads the end step and the source only
+    return Candidate(place, WindowHead(None, window * W, W, 0, None))
 
 
 def _landed(windows: range, copies: int) -> set[int]:
@@ -52,7 +53,7 @@ def _landed(windows: range, copies: int) -> set[int]:
 def test_window_objects_alternate_over_three_per_rank() -> None:
     names = [window_object(1, index) for index in range(7)]
     assert len(set(names)) == STORAGE_COPIES == 3
-    assert names[0] == names[3] == names[6] == "replay_window.rank1.0.pt"
+    assert names[0] == names[3] == names[6] == "replay_window.rank1.0.win"
     assert window_object(0, 4) != window_object(1, 4)
 
 
@@ -89,22 +90,35 @@ def test_memory_is_preferred_on_a_tie_and_a_window_only_in_memory_is_re_stored()
 LINEAGE = Lineage("run-14", "fingerprint")
 
 
-def _log(window: int) -> WindowLog:
-    """Window number ``window`` of a one-unit model: a few logged weights per offset."""
-    record = WindowRecord({dense("head"): 0}, W)
-    record.logged = [{"head.weight": torch.full((64,), float(window * W + t))} for t in range(W)]
+LIKE = torch.empty(64)
+
+
+def _capture(store: WindowStore, window: int) -> WindowLog:
+    """Window number ``window`` of a one-unit model, captured into its slot of ``store``: a few logged weights per
+    offset."""
+    slot = store.open_slot(window)
+    record = WindowRecord({dense("head"): 0}, W, slot)
+    for t in range(W):
+        record.logged.append({"head.weight": slot.buffer((t, "head.weight"), LIKE).fill_(float(window * W + t))})
     return WindowLog(record, start_step=window * W)
 
 
-def _store(root: Path, rank: int = 0, storage: Any = None) -> WindowStore:
+def _store(root: Path, rank: int = 0, storage: Any = None, persist_every: int = 1) -> WindowStore:
     storage = storage or make_storage("filesystem", (root / "ckpt").as_uri())
-    return WindowStore(storage, root / "shm" / f"rank{rank}.replay_window.pt", rank)
+    return WindowStore(storage, root / "shm" / f"rank{rank}", rank, persist_every)
 
 
 def _hand_over(store: WindowStore, windows: range) -> None:
     for window in windows:
-        store.hand_over(_log(window), LINEAGE)
+        store.hand_over(_capture(store, window), LINEAGE)
     store.flush()
+
+
+def _lose_memory(store: WindowStore) -> None:
+    """The node's shared memory is lost: every slot and its head."""
+    for slot in store.slots:
+        for path in (slot.path, memory_head(slot.path)):
+            path.unlink(missing_ok=True)
 
 
 class CountedLoads:
@@ -126,15 +140,15 @@ class CountedLoads:
 def test_a_resume_among_several_candidates_deserializes_one_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Memory holds window 3, storage windows 1 to 3: the listing reads what identifies each, and only the chosen
-    window (memory's copy of window 3) is deserialized."""
+    """Memory holds windows 2 and 3, storage windows 1 to 3: the listing reads what identifies each, and only the
+    chosen window (memory's copy of window 3) is opened."""
     _hand_over(_store(tmp_path), range(4))
     counted = CountedLoads(monkeypatch)
     store = _store(tmp_path)
     candidates = store.candidates(LINEAGE)
     print(f"candidates: {[(c.end_step, c.source) for c in candidates]}")
     assert sorted((c.end_step, c.source) for c in candidates) == [
-        (2 * W, "storage"), (3 * W, "storage"), (4 * W, "memory"), (4 * W, "storage")
+        (2 * W, "storage"), (3 * W, "memory"), (3 * W, "storage"), (4 * W, "memory"), (4 * W, "storage")
     ]
     found = store.restore(LINEAGE)
     assert found is not None and (found.end_step, found.source) == (4 * W, "memory")
@@ -142,32 +156,54 @@ def test_a_resume_among_several_candidates_deserializes_one_window(
     assert counted.loads == 1
 
 
-def test_a_window_is_serialised_once_into_memory_and_storage_gets_a_copy_of_that_file(tmp_path: Path) -> None:
-    """The background thread writes the window straight into its file in shared memory, checksumming it as it goes,
-    and storage gets a copy of that file: the same bytes, each head naming their length and CRC32C. torch.save's own
-    CRC32 of every record is not computed (the head's CRC32C covers every byte already); the window loads without."""
+def test_a_window_is_its_slot_in_memory_and_storage_gets_a_copy_of_that_file(tmp_path: Path) -> None:
+    """The captures copy into the slot's file in shared memory, the hand-over only seals it (its tail), and storage
+    gets a copy of that file: the same bytes, the storage head naming their length and CRC32C, the memory head their
+    length (a slot is trusted by its length, as a snapshot slot by its commit)."""
     store = _store(tmp_path)
     _hand_over(store, range(1))
-    data = store.memory.read_bytes()
+    data = store.slots[0].path.read_bytes()
     assert (tmp_path / "ckpt" / window_object(0, 0)).read_bytes() == data
     heads = {c.source: c.head for c in store.candidates(LINEAGE)}
     print(f"{len(data)} bytes, CRC32C {checksum(data):08x}; heads {heads}")
     assert heads.keys() == {"memory", "storage"}
-    assert all((head.length, head.crc) == (len(data), checksum(data)) for head in heads.values())
-    with zipfile.ZipFile(store.memory) as archive:
-        assert {info.CRC for info in archive.infolist()} == {0}, "torch.save computed a CRC32 per record"
+    assert (heads["memory"].length, heads["memory"].crc) == (len(data), None)
+    assert (heads["storage"].length, heads["storage"].crc) == (len(data), checksum(data))
+    assert data[: W * LIKE.nbytes] == torch.arange(W).float().repeat_interleave(64).numpy().tobytes(), (
+        "the logged weights lie at the start of the file, where the captures wrote them"
+    )
     found = _store(tmp_path).restore(LINEAGE)
     assert found is not None and torch.equal(found.log.record.logged[2]["head.weight"], torch.full((64,), 2.0))
+
+
+def test_every_nth_window_goes_to_storage_and_a_lost_node_resumes_from_the_newest_stored(tmp_path: Path) -> None:
+    """``persist_every=2``: windows 0, 2 and 4 of 0..4 reach storage (by index: the same windows on every rank), in
+    three alternating objects; memory holds 3 and 4. A crash resumes from memory's 4; a lost node from storage's 4,
+    then (that one gone too) storage's 2."""
+    store = _store(tmp_path, persist_every=2)
+    _hand_over(store, range(5))
+    ends = sorted((c.end_step, c.source) for c in store.candidates(LINEAGE))
+    print(f"candidates: {ends}")
+    assert ends == [(W, "storage"), (3 * W, "storage"), (4 * W, "memory"), (5 * W, "memory"), (5 * W, "storage")]
+    assert [window_object(0, n) for n in (0, 1, 2)] == sorted(p.name for p in (tmp_path / "ckpt").glob("*.win"))
+    found = _store(tmp_path, persist_every=2).restore(LINEAGE)
+    assert found is not None and (found.end_step, found.source) == (5 * W, "memory")
+    _lose_memory(store)
+    found = _store(tmp_path, persist_every=2).restore(LINEAGE)
+    assert found is not None and (found.end_step, found.source) == (5 * W, "storage")
+    (tmp_path / "ckpt" / window_object(0, 2)).unlink()
+    found = _store(tmp_path, persist_every=2).restore(LINEAGE)
+    assert found is not None and (found.end_step, found.source) == (3 * W, "storage")
+    assert torch.equal(found.log.record.logged[1]["head.weight"], torch.full((64,), float(2 * W + 1)))
 
 
 def test_a_window_in_a_remote_storage_is_read_whole_and_resumed_from(tmp_path: Path) -> None:
     """Storage that is no local directory (a kvstore, here ``memory://``) gets the window's bytes read from the file
     in shared memory, and a lost node resumes from them (read whole, not mapped)."""
     storage = make_storage("tensorstore", "memory://ckpt")
-    _hand_over(_store(tmp_path, storage=storage), range(2))
-    memory = tmp_path / "shm" / "rank0.replay_window.pt"
-    for path in (memory, memory_head(memory)):  # the node's shared memory is lost
-        path.unlink()
+    store = _store(tmp_path, storage=storage)
+    _hand_over(store, range(2))
+    _lose_memory(store)
     found = _store(tmp_path, storage=storage).restore(LINEAGE)
     assert found is not None and (found.end_step, found.source) == (2 * W, "storage")
     assert torch.equal(found.log.record.logged[0]["head.weight"], torch.full((64,), float(W)))
@@ -180,16 +216,17 @@ def test_a_damaged_window_behind_a_valid_header_is_skipped_with_a_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damaged: str,
     resumed: tuple[int, str],
 ) -> None:
-    """A copy damaged after its head was written fails its check before it is deserialized, is skipped with one
-    line, and the resume takes the next copy: memory's copy of window 1, torn (its length is checked), gives way
-    to storage's copy of the same window; storage's copy of window 1 with a flipped bit (its CRC32C is checked;
+    """A copy damaged after its head was written fails its check before it is opened, is skipped with one line, and
+    the resume takes the next copy: memory's copy of window 1, torn (its length is checked), gives way to storage's
+    copy of the same window; storage's copy of window 1 with a flipped bit (its CRC32C is checked;
     memory's copy gone, as on a lost node) gives way to storage's window 0."""
-    _hand_over(_store(tmp_path), range(2))
-    memory = tmp_path / "shm" / "rank0.replay_window.pt"
+    store = _store(tmp_path)
+    _hand_over(store, range(2))
     if damaged == "memory":
+        memory = store.slots[1].path
         memory.write_bytes(memory.read_bytes()[:-1])
     else:
-        memory.unlink()
+        _lose_memory(store)
         stored = tmp_path / "ckpt" / window_object(0, 1)
         data = bytearray(stored.read_bytes())
         data[len(data) // 2] ^= 0x01
