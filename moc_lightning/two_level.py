@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from moc_lightning.agreement import from_coordinator
-from moc_lightning.background import background_executor
+from moc_lightning.background import background_executor, spare_core
 from moc_lightning.checkpointer import PECCheckpointer, PersistFailed, SaveReport, UnreadableCheckpoint
 from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
@@ -155,8 +155,13 @@ class TwoLevelCheckpointer:
         pec: PECCheckpointer,
         snapshots: SnapshotStore,
         faults: FaultInjector | None = None,
+        behind: bool | None = None,
     ) -> None:
+        """``behind``: copy a snapshot's weights and optimizer state on the copy thread, behind the next forward and
+        backward, rather than on the training thread; by default where the node's ranks leave a core free for it
+        (:func:`~moc_lightning.background.spare_core`: without one the copy thread costs more than it hides)."""
         self.pec = pec
+        self.behind = spare_core() if behind is None else behind
         self.store = snapshots
         self.faults = faults or FaultInjector(None, pec.topology.rank)
         self.stats = CheckpointStats()
@@ -248,7 +253,8 @@ class TwoLevelCheckpointer:
             self.faults.at("snapshot", step)
 
         start = time.perf_counter()
-        fill = self.store.fill(slot, tensors, midway, defer={key for key in tensors if not is_buffer_key(key)})
+        later = {key for key in tensors if not is_buffer_key(key)} if self.behind else set()
+        fill = self.store.fill(slot, tensors, midway, defer=later)
         filled = time.perf_counter()
         commit = self._copier.submit(
             self._commit_snapshot, slot, step, tuple(u.key for u in mine), my_parts, fill, extra, trainer_state

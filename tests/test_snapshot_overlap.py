@@ -24,7 +24,15 @@ from trainee import Trainee, every_step_config
 
 from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.snapshot import SnapshotStore
+from moc_lightning import two_level
 from moc_lightning.two_level import TwoLevelCheckpointer
+
+@pytest.fixture(autouse=True)
+def spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core free for the copy thread, as on a GPU node (on this 2-core machine the copy stays on the training
+    thread: :func:`moc_lightning.background.spare_core`)."""
+    monkeypatch.setattr(two_level, "spare_core", lambda: True)
+
 
 SLOW = 0.6
 """Seconds the slowed copy of a snapshot takes (half per ``_foreach_copy_``)."""
@@ -113,7 +121,7 @@ def _held_until_joined(rank: int, world_size: int, root: str, mode: str) -> dict
     step broadcasts the new weights) or ``fsdp2`` (forward all-gathers the shards)."""
     trainee = Trainee(ExpertParallelTopology.from_process_group(1), zero=mode == "zero2", fsdp2=mode == "fsdp2")
     pec = trainee.engine(every_step_config(N, 1), Path(root, "ckpt").as_uri())
-    engine = TwoLevelCheckpointer(pec, SnapshotStore(Path(root, "shm", f"rank{rank}")))
+    engine = TwoLevelCheckpointer(pec, SnapshotStore(Path(root, "shm", f"rank{rank}")), behind=True)
     trainee.step(1)
     pec.record_tokens(trainee.model.moe_layers())
     engine.reserve_slots()
@@ -162,7 +170,7 @@ def test_gradient_accumulation_keeps_every_snapshot_exact(tmp_path: Path) -> Non
 def _collectives_of_a_snapshot(rank: int, world_size: int, root: str) -> dict[str, int]:
     trainee = Trainee(ExpertParallelTopology.from_process_group(1))
     pec = trainee.engine(every_step_config(2, 1), Path(root, "ckpt").as_uri())
-    engine = TwoLevelCheckpointer(pec, SnapshotStore(Path(root, "shm", f"rank{rank}")))
+    engine = TwoLevelCheckpointer(pec, SnapshotStore(Path(root, "shm", f"rank{rank}")), behind=True)
     trainee.step(1)
     pec.record_tokens(trainee.model.moe_layers())
     with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
