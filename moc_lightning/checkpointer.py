@@ -181,7 +181,7 @@ class PECCheckpointer:
         its replicated weights over their holders (:meth:`_zero_writes`). ``None`` when every holder keeps the state
         (DDP)."""
         self.piece_holders = gather_holders(
-            {u.key: unit_replicas(layout.tensors([u]).values(), topology.rank) for u in layout.units}
+            {u.key: unit_replicas([layout.params[n] for n in layout.param_names(u)], topology.rank) for u in layout.units}
         ) if layout.sharded else None
         """Under FSDP2/HSDP (DTensor parameters, :mod:`moc_lightning.pieces`): unit key -> the holders of each of its
         pieces (a piece's replicas under HSDP), for every unit of the model; each holder snapshots its own pieces, and

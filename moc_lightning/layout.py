@@ -47,7 +47,8 @@ from functools import cached_property
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP places pieces by
 
 from moc_lightning.claims import Router, find_router, no_experts_error, stacked_views
 from moc_lightning.pieces import has_dtensors, piece
@@ -96,7 +97,8 @@ class ParamSlot:
     local_name: str
     """Name inside the unit (``fc.weight`` for an expert): the same for every expert, EP degree and rank."""
     index: int | None = None
-    """Position along dim 0 of a stacked ``[E, ...]`` parameter; ``None`` when the unit owns it whole."""
+    """Position along dim 0 of a stacked ``[E, ...]`` parameter (of this rank's piece of it, for a DTensor sharded
+    along the expert dim); ``None`` when the unit owns it whole."""
     buffer: bool = False
     """A persistent buffer: saved and restored with the unit, no optimizer state."""
     view: tuple[int, ...] | None = None
@@ -415,7 +417,8 @@ def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> tor
     tensor when it is not sliced (see :func:`_sliced`)."""
     if not _sliced(tensor, slot, param_shape):
         return tensor
-    return (tensor.view(slot.view) if slot.view else tensor)[slot.index]
+    tensor = piece(tensor)  # a stacked DTensor's slice indices count in this rank's piece (:func:`_local_experts`)
+    return (tensor.view(-1, *slot.view[1:]) if slot.view else tensor)[slot.index]
 
 
 @dataclass(frozen=True)
@@ -521,8 +524,13 @@ def build_layout(
             unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
             slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index, view=views.get(name)))
 
+    whole = {  # a stacked DTensor's shape counts every expert of its layer, wherever they are held
+        m.layer_prefix: (views.get(name) or params[name].shape)[0]
+        for name, m in matches.items() if m.local_index is None and isinstance(params[name], DTensor)
+    }
     moe_layers = tuple(
-        _moe_layer(i, prefix, slots, num_experts, expert_parallel, routers[prefix]) for i, prefix in enumerate(prefixes)
+        _moe_layer(i, prefix, slots, whole.get(prefix, num_experts), expert_parallel, routers[prefix])
+        for i, prefix in enumerate(prefixes)
     )
     buffers = _persistent_buffers(model)
     for name, buffer in buffers.items():
@@ -552,7 +560,8 @@ def _expert_claims(
         names = [name for name, m in found.items() if m.layer_prefix == prefix]
         router = find_router(prefix, shapes, found)
         stacked = {name: shapes[name] for name in names if found[name].local_index is None}
-        layer_views = stacked_views(prefix, stacked, router, num_experts, expert_parallel) if stacked else {}
+        ep = 1 if any(isinstance(params[name], DTensor) for name in stacked) else expert_parallel  # whole shapes
+        layer_views = stacked_views(prefix, stacked, router, num_experts, ep) if stacked else {}
         experts = [name for name in names if found[name].local_index is not None or name in layer_views]
         if experts:
             kept.update({name: found[name] for name in experts})
@@ -617,11 +626,29 @@ def _placements(
     if param.dim() == 0:
         raise ValueError(f"stacked expert parameter {name!r} is a scalar; it needs a leading expert dim [E, ...]")
     if isinstance(param, DTensor):
-        raise ValueError(
-            f"stacked expert parameter {name!r} is a DTensor; MoC checkpoints FSDP2 experts held one module per expert "
-            "(the reference model's) but does not yet slice a sharded [E, ...] stack into experts"
-        )
+        return _local_experts(name, param, view)
     return [(i, i) for i in range((view or param.shape)[0])]
+
+
+def _local_experts(name: str, param: DTensor, view: tuple[int, ...] | None) -> list[tuple[int, int]]:
+    """``(expert id, slice index)`` of each expert whose rows this rank's piece of the stacked DTensor ``name`` holds:
+    sharded along the expert dim (torchtitan's layout under ``fully_shard``), the piece is whole experts, their ids
+    counted in the whole tensor, their slices in the piece. A piece that splits an expert is refused."""
+    if any(p != Shard(0) and not p.is_replicate() for p in param.placements):
+        raise ValueError(
+            f"stacked expert parameter {name!r} is a DTensor placed {tuple(param.placements)}; MoC slices a stacked "
+            "[E, ...] DTensor into experts only when it is sharded along dim 0, the expert dim, or replicated (shard "
+            "it along dim 0, e.g. fully_shard's default shard_placement_fn)"
+        )
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    rows = view[1] if view else 1
+    if offset[0] % rows or shape[0] % rows:
+        raise ValueError(
+            f"stacked expert parameter {name!r} is a DTensor whose piece on this rank (rows [{offset[0]}, "
+            f"{offset[0] + shape[0]}) of dim 0) splits an expert of {rows} rows; shard it so that each rank holds "
+            "whole experts"
+        )
+    return [(offset[0] // rows + j, j) for j in range(shape[0] // rows)]
 
 
 def _moe_layer(
@@ -638,6 +665,11 @@ def _moe_layer(
         if isinstance(u, ExpertUnit) and u.layer == index
     }
     local = tuple(sorted(experts))
+    if not local:
+        raise ValueError(
+            f"MoE layer {prefix!r} has no expert on this rank: its stacked experts are sharded over more ranks than "
+            "it has experts; MoC needs each rank to hold at least one whole expert"
+        )
     shapes = {tuple(sorted(names)) for names in experts.values()}
     if len(shapes) > 1:
         raise ValueError(

@@ -73,10 +73,11 @@ def as_dtensors(local: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tens
     return out
 
 
-def unit_replicas(tensors: Iterable[torch.Tensor], rank: int) -> tuple[int, ...]:
-    """The ranks holding the same pieces of a unit's ``tensors`` as ``rank`` (this rank): its first DTensor's
-    :func:`replicas` (a unit's tensors share a mesh), or ``rank`` alone when it has none."""
-    return next((replicas(t) for t in tensors if isinstance(t, DTensor)), (rank,))
+def unit_replicas(params: Iterable[torch.Tensor], rank: int) -> tuple[int, ...]:
+    """The ranks holding the same pieces of a unit as ``rank`` (this rank), from the unit's ``params``: its first
+    DTensor's :func:`replicas` (a unit's parameters share a mesh; an expert's slice of a stacked DTensor is held
+    where that rows' piece is), or ``rank`` alone when it has none."""
+    return next((replicas(t) for t in params if isinstance(t, DTensor)), (rank,))
 
 
 def gather_holders(held: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], ...]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -63,6 +64,9 @@ class MoE(nn.Module):
         if self.training:
             with torch.no_grad():  # torchtitan does this before the optimizer step; here once per forward
                 self.tokens_per_expert.add_(counts)
+                if dist.is_initialized():  # over all data-parallel ranks, as torchtitan's, so the bias stays alike
+                    counts = counts.clone()
+                    dist.all_reduce(counts)
                 self.expert_bias.add_(1e-3 * torch.sign(counts.mean() - counts))
         return out.view(shape)
 
