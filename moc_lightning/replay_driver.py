@@ -113,11 +113,13 @@ def check_supported(precision: str, data_parallel: str = "ddp") -> None:
 
 
 def check_strategy(trainer: L.Trainer, module: L.LightningModule) -> None:
-    """:func:`check_supported` for a Trainer: its precision, the module's ``data_parallel`` (when it has one) and the
+    """:func:`check_supported` for a Trainer: its precision, the module's ``data_parallel`` (when it has one; a user's
+    module under ``ModelParallelStrategy`` is taken as ``fsdp2``, under any other strategy as ``ddp``) and the
     strategy, one of the mode's :data:`STRATEGIES`: those wrap the model as DDP does, shard it in place (FSDP2's
     hooks live on the module's own submodules) or leave it alone, so :func:`replay_window` drives its step through
     them as Lightning's loop does."""
-    data_parallel = getattr(module, "data_parallel", "ddp")
+    default = "fsdp2" if isinstance(trainer.strategy, ModelParallelStrategy) else "ddp"
+    data_parallel = getattr(module, "data_parallel", default)
     check_supported(trainer.precision, data_parallel)
     strategy = trainer.strategy
     if type(strategy) not in STRATEGIES[data_parallel]:

@@ -10,6 +10,8 @@ tensor what it was at the resume step, and PLT the hand count of eq. 7."""
 
 from __future__ import annotations
 
+import os
+import random
 import re
 import shutil
 from pathlib import Path
@@ -30,7 +32,9 @@ from torch.distributed.tensor import DTensor
 from safetensors.torch import load_file
 
 from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.config import ReplayConfig
 from moc_lightning.consolidate import consolidate
+from moc_lightning.data import DataConfig, LMDataModule
 
 VOCAB, SEQ, BATCH, N = 64, 16, 4, 8
 CRASH_AFTER = 7
@@ -42,10 +46,10 @@ pytestmark = pytest.mark.xdist_group("fsdp2_stacked")
 class ShardedTitan(L.LightningModule):
     """The torchtitan-style model, ``fully_shard`` per MoE layer and at the root over the data-parallel mesh."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = TitanMoE(vocab=VOCAB, num_experts=N)
+        self.model = TitanMoE(vocab=vocab, num_experts=N)
 
     def configure_model(self) -> None:
         if self.device_mesh is None:  # one process, no ModelParallelStrategy: the same module unsharded
@@ -227,3 +231,47 @@ def test_stacked_dtensor_experts_reshard_from_2_to_4_ranks_and_consolidate(tmp_p
     assert start.keys() == whole.keys()
     for name, tensor in whole.items():
         assert torch.equal(start[name], tensor), name
+
+
+class StatefulTitan(ShardedTitan):
+    """With a loader that resumes where it stopped (replay needs the batches again) over the byte corpus."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=256)
+
+    def train_dataloader(self) -> Any:
+        data = LMDataModule(DataConfig(batch_size=BATCH), block_size=SEQ, vocab_size=256)
+        data.setup("fit")
+        return data.train_dataloader()
+
+
+def _replay_fit(root: str, world: int, crash_after: int | None) -> tuple[Oracle, MoCCheckpoint]:
+    moc, oracle = MoCCheckpoint(moc_config(Path(root), mode="replay", replay=ReplayConfig(window=3))), Oracle(crash_after)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_steps=9, callbacks=[moc, oracle],
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=f"{root}/run",
+    )
+    try:
+        trainer.fit(StatefulTitan(), ckpt_path=moc.resume_target())
+    except Crash:
+        pass
+    return oracle, moc
+
+
+def _replayed(rank: int, world_size: int, root: str, crash: int) -> dict[str, Any]:
+    straight, _ = _replay_fit(f"{root}/straight", world_size, None)
+    _replay_fit(f"{root}/faulty", world_size, crash)
+    resumed, moc = _replay_fit(f"{root}/faulty", world_size, None)
+    return {"straight": straight.states[9], "resumed": resumed.states[9], "report": moc.replay_report}
+
+
+def test_replay_of_stacked_dtensor_experts_ends_bitwise_on_the_uninterrupted_state(tmp_path: Path) -> None:
+    crash = random.Random(int(os.environ.get("MOC_REPLAY_SEED", "14"))).randrange(4, 9)
+    print(f"crash after step {crash}")
+    for rank, got in enumerate(run_ranks(_replayed, 2, tmp_path, str(tmp_path), crash, init_process_group=False)):
+        assert got["report"] is not None and got["report"].plt == 0.0 and got["report"].replay_iterations >= 1
+        assert got["resumed"].keys() == got["straight"].keys()
+        differ = [k for k, v in got["straight"].items() if not torch.equal(got["resumed"][k], v)]
+        assert differ == [], (rank, differ)
