@@ -30,7 +30,10 @@ FFN, norms), and otherwise the parameter's own module (embeddings, final norm, h
 Under FSDP2 the parameters and the optimizer state shaped like them are DTensors (:mod:`moc_lightning.pieces`): units
 and keys are found from their names and whole shapes exactly as under DDP, so checkpoints of the two modes are
 interchangeable; :meth:`Layout.tensors` hands out the DTensors (what DCP writes and loads at their offsets), and
-:meth:`Layout.pieces` this rank's local shards of them (what a snapshot copies).
+:meth:`Layout.pieces` this rank's local shards of them (what a snapshot copies). A stacked ``[E, ...]`` DTensor sharded
+along the expert dim (torchtitan's experts under ``fully_shard``) holds whole experts on each rank: the units are those
+experts, their tensors slices of the local piece (plain tensors: nobody else holds them), so the rank's experts are
+its local experts as under EP, and a per-expert buffer of the layer, which every rank holds whole, is dense.
 
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
 create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has

@@ -11,7 +11,9 @@ them (Adam's scalar ``step``, kept alike by every holder) are replicated over al
 writes them. A unit comes back from memory only when each of its pieces survived on one of its holders
 (:mod:`moc_lightning.recovery`). Nothing is all-gathered.
 
-Tensor parallelism (a DTensor sharded along another dim, or partial) is refused.
+A stacked ``[E, ...]`` expert DTensor sharded along dim 0 is whole experts on each rank; :mod:`moc_lightning.layout`
+hands out each expert's slice of the local piece as a plain tensor, held by the piece's replicas
+(:func:`unit_replicas`). Tensor parallelism (a DTensor sharded along another dim, or partial) is refused.
 """
 
 from __future__ import annotations

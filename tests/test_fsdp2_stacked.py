@@ -26,8 +26,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_run import Crash, moc_config
 from titan_moe import TitanMoE
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from safetensors.torch import load_file
 
@@ -35,6 +36,7 @@ from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import ReplayConfig
 from moc_lightning.consolidate import consolidate
 from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.layout import build_layout
 
 VOCAB, SEQ, BATCH, N = 64, 16, 4, 8
 CRASH_AFTER = 7
@@ -46,15 +48,19 @@ pytestmark = pytest.mark.xdist_group("fsdp2_stacked")
 class ShardedTitan(L.LightningModule):
     """The torchtitan-style model, ``fully_shard`` per MoE layer and at the root over the data-parallel mesh."""
 
-    def __init__(self, vocab: int = VOCAB) -> None:
+    def __init__(self, vocab: int = VOCAB, replicas: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = TitanMoE(vocab=vocab, num_experts=N)
+        self.replicas = replicas
 
     def configure_model(self) -> None:
         if self.device_mesh is None:  # one process, no ModelParallelStrategy: the same module unsharded
             return
         mesh = self.device_mesh["data_parallel"]
+        if self.replicas > 1:  # HSDP: shard within groups of consecutive ranks, replicate across them
+            shape = (self.replicas, mesh.size() // self.replicas)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         for layer in self.model.layers:
             fully_shard(layer["moe"], mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -122,7 +128,9 @@ class Oracle(L.Callback):
             raise Crash(f"killed after step {trainer.global_step}")
 
 
-def _fit(root: str, world: int, max_steps: int, crash_after: int | None = None) -> tuple[Oracle, MoCCheckpoint]:
+def _fit(
+    root: str, world: int, max_steps: int, crash_after: int | None = None, replicas: int = 1
+) -> tuple[Oracle, MoCCheckpoint]:
     config = moc_config(Path(root), k_snapshot=4, k_persist=4, every_n_train_steps=2, persist_every_n_snapshots=1)
     moc, oracle = MoCCheckpoint(config), Oracle(crash_after)
     trainer = L.Trainer(
@@ -132,27 +140,35 @@ def _fit(root: str, world: int, max_steps: int, crash_after: int | None = None) 
         default_root_dir=f"{root}/run",
     )
     try:
-        trainer.fit(ShardedTitan(), ckpt_path=moc.resume_target())
+        trainer.fit(ShardedTitan(replicas=replicas), ckpt_path=moc.resume_target())
     except Crash:
         pass
     return oracle, moc
 
 
-def _crash_and_resume(rank: int, world_size: int, root: str, level: str) -> dict:
-    first, _ = _fit(root, world_size, 20, CRASH_AFTER)
+def _crash_and_resume(rank: int, world_size: int, root: str, level: str, replicas: int) -> dict:
+    first, _ = _fit(root, world_size, 20, CRASH_AFTER, replicas)
     dist.barrier()
     if level == "storage" and rank == 0:
         shutil.rmtree(Path(root, "shm"))
     dist.barrier()
-    second, moc = _fit(root, world_size, CRASH_AFTER + 1)
+    second, moc = _fit(root, world_size, CRASH_AFTER + 1, replicas=replicas)
     report = moc.recovery
     return {"first": first.states, "counts": first.counts, "restored": second.states[report.resume_step],
             "resume": report.resume_step, "sources": dict(report.sources), "plt": report.plt}
 
 
-@pytest.mark.parametrize("level", ["memory_local", "storage"])
-def test_stacked_dtensor_experts_recover_each_row_from_its_experts_source_step(tmp_path: Path, level: str) -> None:
-    ranks = run_ranks(_crash_and_resume, 2, tmp_path, str(tmp_path), level, init_process_group=False)
+@pytest.mark.parametrize(
+    ("level", "world", "replicas"), [("memory_local", 2, 1), ("storage", 2, 1), ("storage", 4, 2)],
+    ids=["fsdp2-memory", "fsdp2-storage", "hsdp-storage"],
+)
+def test_stacked_dtensor_experts_recover_each_row_from_its_experts_source_step(
+    tmp_path: Path, level: str, world: int, replicas: int
+) -> None:
+    """Under FSDP2 over 2 ranks, and under HSDP over 4 (2 replica groups of 2, whose persist splits each piece's
+    writing over its replicas)."""
+    ranks = run_ranks(_crash_and_resume, world, tmp_path, str(tmp_path), level, replicas, init_process_group=False)
+    shards = world // replicas
     resume = ranks[0]["resume"]
     assert resume == 6 and {s["level"] for s in ranks[0]["sources"].values()} == {level}
     sources = {key: s["step"] for key, s in ranks[0]["sources"].items()}
@@ -180,8 +196,8 @@ def test_stacked_dtensor_experts_recover_each_row_from_its_experts_source_step(t
             if m is None:
                 assert torch.equal(tensor, before[resume][name]), (rank, name)
                 continue
-            rows = N // 2
-            steps = [experts[f"expert/L{m[1]}/E{rank * rows + j}"] for j in range(rows)]
+            rows = N // shards
+            steps = [experts[f"expert/L{m[1]}/E{rank % shards * rows + j}"] for j in range(rows)]
             if tensor.dim() == 0:  # Adam's step, one for all experts of the tensor: the newest of theirs
                 assert torch.equal(tensor, before[max(steps)][name]), (rank, name)
                 continue
@@ -275,3 +291,31 @@ def test_replay_of_stacked_dtensor_experts_ends_bitwise_on_the_uninterrupted_sta
         assert got["resumed"].keys() == got["straight"].keys()
         differ = [k for k, v in got["straight"].items() if not torch.equal(got["resumed"][k], v)]
         assert differ == [], (rank, differ)
+
+
+def _refusals(rank: int, world_size: int) -> dict[str, str]:
+    """The message ``build_layout`` refuses each stack with: a flattened ``[E*I, H]`` stack (DBRX's) of 3 experts of
+    2 rows whose 6 rows ``fully_shard`` splits 3 and 3, and a ``[E, ...]`` stack sharded along dim 1."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    messages = {}
+    for case, shape, placement in (("split", (6, 4), Shard(0)), ("dim1", (3, 4, 4), Shard(1))):
+        layer = nn.Module()
+        layer.router = nn.Linear(4, 3, bias=False)
+        layer.experts = nn.Module()
+        if case == "split":
+            layer.experts.mlp = nn.Module()
+            holder = layer.experts.mlp
+        else:
+            holder = layer.experts
+        holder.w1 = nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [placement]))
+        model = nn.ModuleDict({"ffn": layer})
+        with pytest.raises(ValueError) as refused:
+            build_layout(model, None)
+        messages[case] = str(refused.value)
+    return messages
+
+
+def test_a_stack_whose_pieces_are_not_whole_experts_is_refused_by_name(tmp_path: Path) -> None:
+    for messages in run_ranks(_refusals, 2, tmp_path):
+        assert "'ffn.experts.mlp.w1'" in messages["split"] and "splits an expert of 2 rows" in messages["split"]
+        assert "'ffn.experts.w1'" in messages["dim1"] and "Shard(dim=1)" in messages["dim1"]
