@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from moc_lightning.snapshot import ALIGN, SlotEntry, view_of
+from moc_lightning.snapshot import ALIGN, SlotEntry, allocate, map_file, view_of
 
 WINDOW_SLOTS = 2
 """Slots per rank: the newest complete window, and the one being captured."""
@@ -81,7 +81,7 @@ class WindowSlot:
     def begin(self) -> None:
         """Before a window's first capture: give the file back the pages :meth:`seal` cut off."""
         if self._mapping is not None:
-            self._allocate(len(self._mapping))
+            allocate(self.path, len(self._mapping))
 
     def seal(self, tail: Mapping[str, Any]) -> int:
         """Complete the file: ``tail`` after the regions (where it names a capture buffer by its :data:`BufferKey`,
@@ -98,22 +98,11 @@ class WindowSlot:
         return length
 
     def _map(self, nbytes: int) -> mmap.mmap:
-        """The file mapped, at least ``nbytes`` long (a larger mapping replaces the old one; views of the old one
-        stay valid: both map the same pages)."""
+        """The file mapped, at least ``nbytes`` long (:func:`~moc_lightning.snapshot.map_file`; a larger mapping
+        replaces the old one; views of the old one stay valid: both map the same pages)."""
         if self._mapping is None or len(self._mapping) < nbytes:
-            size = max(nbytes, ALIGN, 0 if self._mapping is None else len(self._mapping))
-            self._allocate(size)
-            with open(self.path, "r+b") as f:
-                self._mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._mapping = map_file(self.path, nbytes)
         return self._mapping
-
-    def _allocate(self, size: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        finally:
-            os.close(fd)
 
 
 def _placed(value: Any, regions: Mapping[BufferKey, SlotEntry]) -> Any:
