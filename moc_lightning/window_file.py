@@ -24,7 +24,7 @@ import mmap
 import os
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,13 +107,23 @@ class WindowSlot:
 
 def _placed(value: Any, regions: Mapping[BufferKey, SlotEntry]) -> Any:
     """``value`` with every :class:`Region` marker replaced by the place of its buffer."""
+
+    def place(region: Region) -> Region:
+        entry = regions[region.key]
+        return Region(region.key, (entry.offset, entry.dtype, entry.shape))
+
+    return _map_regions(value, place)
+
+
+def _map_regions(value: Any, fn: Callable[[Region], Any]) -> Any:
+    """``value`` (a tail: dicts and lists around the values) with every :class:`Region` in it replaced by ``fn`` of
+    it; everything else is kept as it is."""
     if isinstance(value, Region):
-        entry = regions[value.key]
-        return Region(value.key, (entry.offset, entry.dtype, entry.shape))
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _placed(v, regions) for k, v in value.items()}
+        return {k: _map_regions(v, fn) for k, v in value.items()}
     if isinstance(value, list):
-        return [_placed(v, regions) for v in value]
+        return [_map_regions(v, fn) for v in value]
     return value
 
 
@@ -156,16 +166,16 @@ def read_buffer(data: bytes | mmap.mmap) -> dict[str, Any]:
 
 
 def _viewed(value: Any, data: bytes | mmap.mmap, end: int) -> Any:
-    if isinstance(value, Region):
-        if value.place is None:
-            raise ValueError(f"the window's tail names buffer {value.key} without its place")
-        offset, dtype, shape = value.place
+    """``value`` with every :class:`Region` replaced by a view of its bytes in ``data``, checked to lie before
+    ``end`` (the tail's offset)."""
+
+    def view(region: Region) -> torch.Tensor:
+        if region.place is None:
+            raise ValueError(f"the window's tail names buffer {region.key} without its place")
+        offset, dtype, shape = region.place
         entry = SlotEntry(offset, dtype, tuple(shape))
         if offset + entry.nbytes > end:
-            raise ValueError(f"buffer {value.key} lies at {offset}+{entry.nbytes}, past the regions' {end} bytes")
+            raise ValueError(f"buffer {region.key} lies at {offset}+{entry.nbytes}, past the regions' {end} bytes")
         return view_of(data, entry)
-    if isinstance(value, dict):
-        return {k: _viewed(v, data, end) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_viewed(v, data, end) for v in value]
-    return value
+
+    return _map_regions(value, view)
