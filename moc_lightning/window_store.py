@@ -6,8 +6,8 @@ A window is captured straight into one of the rank's :class:`~moc_lightning.wind
 memory (:func:`memory_file`, beside its snapshot slots; window ``k`` into slot ``k`` mod 2): the captures' copies are
 the only pass over its bytes on the training thread. When it completes, the training thread hands it over
 (:meth:`WindowStore.hand_over`) and a background thread seals it (writes the small tail that makes the file a whole
-:mod:`~moc_lightning.window_file`) and, for a window to persist, copies that file to storage (:func:`window_object`;
-the kernel copies it where storage is a local directory) with its CRC32C. A crashed process on a healthy node resumes
+:mod:`~moc_lightning.window_file`) and, for a window to persist, copies that file to storage (:func:`window_object`)
+with its CRC32C, computed as its bytes are copied. A crashed process on a healthy node resumes
 from memory even when no storage write had landed; a lost node (its shared memory gone) resumes from storage.
 
 Beside each copy lies its *head* (:class:`WindowHead`, a sealed JSON object): the lineage stamp, the window's
@@ -109,7 +109,7 @@ class Objects(Protocol):
 
     def put(self, name: str, data: bytes) -> None: ...
 
-    def put_file(self, name: str, source: Path) -> None: ...
+    def put_file(self, name: str, source: Path) -> int: ...
 
     def get(self, name: str) -> bytes | None: ...
 
@@ -195,11 +195,12 @@ class Place:
         self.objects.put(self.head, head.to_bytes())
 
     def copy(self, source: Path, head: WindowHead) -> None:
-        """Replace the copy by the bytes of file ``source``, whose head is ``head``: the old head goes first, so a
-        crash before the new head lands leaves no head that names other bytes."""
+        """Replace the copy by the bytes of file ``source``, whose head is ``head``, and write that head with their
+        CRC32C, computed as they are copied: the old head goes first, so a crash before the new head lands leaves no
+        head that names other bytes."""
         self.invalidate()
-        self.objects.put_file(self.name, source)
-        self.commit(head)
+        crc = self.objects.put_file(self.name, source)
+        self.commit(dataclasses.replace(head, crc=crc))
 
     def read_head(self) -> WindowHead | None:
         data = self.objects.get(self.head)
@@ -429,8 +430,9 @@ class WindowStore:
 
     @staticmethod
     def _store(source: Path, head: WindowHead, storage: Place) -> None:
-        """Copy the window file ``source`` (a slot) to ``storage``, its head with the file's CRC32C."""
-        nbytes, crc = read_through(source, crc=True)
+        """Copy the window file ``source`` (a slot) to ``storage``, its head with the file's CRC32C (one pass over
+        its bytes: :meth:`Place.copy`)."""
+        nbytes = source.stat().st_size
         if nbytes != head.length:
             raise ValueError(f"{source} holds {nbytes} bytes, its head says {head.length}")
-        storage.copy(source, dataclasses.replace(head, crc=crc))
+        storage.copy(source, head)
