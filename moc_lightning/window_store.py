@@ -74,8 +74,9 @@ from moc_lightning.window_file import WINDOW_SLOTS, WindowSlot
 STORAGE_COPIES = 3
 """Storage objects per rank, alternating by stored window (module docstring: why 3, not 2)."""
 
-MEMORY_SUFFIX = ".win"
-"""A rank's window slots in shared memory are its snapshot slots' folder name, ``.replay_window<slot>``, and this."""
+WINDOW_SUFFIX = ".win"
+"""The end of every window file's name: a rank's slots in shared memory (:func:`memory_file`) and its storage objects
+(:func:`window_object`)."""
 
 HEAD_PREFIX = "replay_head."
 """Names of the heads in storage begin so (not with :data:`WINDOW_PREFIX`: a head is no window)."""
@@ -86,7 +87,7 @@ SOURCES = ("memory", "storage")
 
 def window_object(rank: int, number: int) -> str:
     """The storage object of ``rank``'s stored window number ``number`` (its index over ``persist_every``)."""
-    return f"{WINDOW_PREFIX}rank{rank}.{number % STORAGE_COPIES}{MEMORY_SUFFIX}"
+    return f"{WINDOW_PREFIX}rank{rank}.{number % STORAGE_COPIES}{WINDOW_SUFFIX}"
 
 
 def head_object(rank: int, number: int) -> str:
@@ -96,7 +97,7 @@ def head_object(rank: int, number: int) -> str:
 
 def memory_file(slot_root: Path, slot: int) -> Path:
     """The rank's window slot number ``slot`` in shared memory, beside its snapshot slots (a lost node loses both)."""
-    return slot_root.with_name(f"{slot_root.name}.replay_window{slot}{MEMORY_SUFFIX}")
+    return slot_root.with_name(f"{slot_root.name}.replay_window{slot}{WINDOW_SUFFIX}")
 
 
 def memory_head(memory: Path) -> Path:
