@@ -78,7 +78,7 @@ from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import local_path
 from moc_lightning.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
 from moc_lightning.window_choice import WindowChoice, WindowProbe
-from moc_lightning.window_store import MEMORY_SUFFIX, Restored, WindowStore
+from moc_lightning.window_store import WINDOW_SUFFIX, Restored, WindowStore
 
 
 class MoCCheckpoint(Checkpoint):
@@ -695,7 +695,7 @@ def _already_used(node_root: Path) -> int:
     available)."""
     if not node_root.exists():
         return 0
-    return sum(p.stat().st_size for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(MEMORY_SUFFIX))
+    return sum(p.stat().st_size for p in node_root.rglob("*") if p.name == "data" or p.name.endswith(WINDOW_SUFFIX))
 
 
 class _MoCCheckpointIO(CheckpointIO):

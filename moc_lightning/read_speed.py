@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-import google_crc32c
+from moc_lightning.sealed import checksum
 
 GB = 1e9
 CHUNK = 64 << 20
@@ -51,7 +51,7 @@ def read_through(path: Path, chunk: int = CHUNK, crc: bool = False) -> tuple[int
         while n := f.readinto(buffer):
             read += n
             if digest is not None:
-                digest = google_crc32c.extend(digest, bytes(view[:n]))
+                digest = checksum(bytes(view[:n]), digest)
     return read, digest
 
 

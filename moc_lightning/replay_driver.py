@@ -286,8 +286,11 @@ class WindowCapture:
             return None
         start = time.perf_counter()
         copies = log.record.plan(layout, t)
-        later = [(target, source) for key, target, source in copies if self.behind and not is_buffer_key(key)]
-        copy_all([(target, source) for key, target, source in copies if not self.behind or is_buffer_key(key)])
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, target, source in copies:
+            (later if self.behind and not is_buffer_key(key) else now).append((target, source))
+        copy_all(now)
         if later:
             self.pending = self._copier.submit(_timed_copy, later)
         self.copy_seconds.append(time.perf_counter() - start)

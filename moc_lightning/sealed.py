@@ -34,9 +34,10 @@ class SealError(ValueError):
     """
 
 
-def checksum(data: bytes) -> int:
-    """The CRC32C of ``data``."""
-    return google_crc32c.value(data)
+def checksum(data: bytes, crc: int = 0) -> int:
+    """The CRC32C of ``data``; given ``crc``, the CRC32C of some bytes, that of those bytes followed by ``data`` (a
+    large file is checksummed a chunk at a time)."""
+    return google_crc32c.extend(crc, data)
 
 
 def seal(obj: dict[str, Any], **dumps: Any) -> bytes:

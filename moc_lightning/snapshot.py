@@ -205,23 +205,12 @@ class SnapshotStore:
             self._map(slot, nbytes)
 
     def _map(self, slot: int, nbytes: int) -> mmap.mmap:
-        """The slot's ``data`` file mapped into memory, at least ``nbytes`` long; its content is kept.
-
-        The file's pages are allocated (a full tmpfs fails here with ENOSPC rather than killing the process
-        with SIGBUS in the middle of a copy) and mapped in (``MAP_POPULATE``) before anyone copies into it.
-        """
+        """The slot's ``data`` file mapped into memory, at least ``nbytes`` long; its content is kept
+        (:func:`map_file`)."""
         previous = self._mappings.get(slot)
         if previous is not None and len(previous) >= nbytes:
             return previous
-        directory = self.slot_dir(slot)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / "data", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            size = max(os.fstat(fd).st_size, nbytes, ALIGN)
-            os.posix_fallocate(fd, 0, size)
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
+        mapping = map_file(self.slot_dir(slot) / "data", nbytes)
         if previous is not None:
             self._unpin(previous)
             self._targets = {k: v for k, v in self._targets.items() if k[0] != slot}
@@ -369,6 +358,28 @@ def _cuda_call(name: str, device: torch.device, *args: int) -> None:
 
 def _address(mapping: mmap.mmap) -> int:
     return torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+
+
+def allocate(path: Path, nbytes: int) -> None:
+    """Allocate the first ``nbytes`` of file ``path`` (created, with its folders, if missing; never shortened): a
+    full tmpfs fails here with ENOSPC rather than killing the process with SIGBUS in the middle of a copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+
+
+def map_file(path: Path, nbytes: int) -> mmap.mmap:
+    """File ``path`` mapped shared and whole, at least ``nbytes`` (and :data:`ALIGN`) long; its content is kept.
+
+    Its pages are allocated (:func:`allocate`) and mapped in (``MAP_POPULATE``) before anyone copies into it: a first
+    touch of shared memory costs several times a copy."""
+    allocate(path, max(nbytes, ALIGN))
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 def view_of(mapping: mmap.mmap, entry: SlotEntry) -> torch.Tensor:

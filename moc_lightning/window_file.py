@@ -24,13 +24,13 @@ import mmap
 import os
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moc_lightning.snapshot import ALIGN, SlotEntry, view_of
+from moc_lightning.snapshot import ALIGN, SlotEntry, allocate, map_file, view_of
 
 WINDOW_SLOTS = 2
 """Slots per rank: the newest complete window, and the one being captured."""
@@ -81,7 +81,7 @@ class WindowSlot:
     def begin(self) -> None:
         """Before a window's first capture: give the file back the pages :meth:`seal` cut off."""
         if self._mapping is not None:
-            self._allocate(len(self._mapping))
+            allocate(self.path, len(self._mapping))
 
     def seal(self, tail: Mapping[str, Any]) -> int:
         """Complete the file: ``tail`` after the regions (where it names a capture buffer by its :data:`BufferKey`,
@@ -98,33 +98,32 @@ class WindowSlot:
         return length
 
     def _map(self, nbytes: int) -> mmap.mmap:
-        """The file mapped, at least ``nbytes`` long (a larger mapping replaces the old one; views of the old one
-        stay valid: both map the same pages)."""
+        """The file mapped, at least ``nbytes`` long (:func:`~moc_lightning.snapshot.map_file`; a larger mapping
+        replaces the old one; views of the old one stay valid: both map the same pages)."""
         if self._mapping is None or len(self._mapping) < nbytes:
-            size = max(nbytes, ALIGN, 0 if self._mapping is None else len(self._mapping))
-            self._allocate(size)
-            with open(self.path, "r+b") as f:
-                self._mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._mapping = map_file(self.path, nbytes)
         return self._mapping
-
-    def _allocate(self, size: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        finally:
-            os.close(fd)
 
 
 def _placed(value: Any, regions: Mapping[BufferKey, SlotEntry]) -> Any:
     """``value`` with every :class:`Region` marker replaced by the place of its buffer."""
+
+    def place(region: Region) -> Region:
+        entry = regions[region.key]
+        return Region(region.key, (entry.offset, entry.dtype, entry.shape))
+
+    return _map_regions(value, place)
+
+
+def _map_regions(value: Any, fn: Callable[[Region], Any]) -> Any:
+    """``value`` (a tail: dicts and lists around the values) with every :class:`Region` in it replaced by ``fn`` of
+    it; everything else is kept as it is."""
     if isinstance(value, Region):
-        entry = regions[value.key]
-        return Region(value.key, (entry.offset, entry.dtype, entry.shape))
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _placed(v, regions) for k, v in value.items()}
+        return {k: _map_regions(v, fn) for k, v in value.items()}
     if isinstance(value, list):
-        return [_placed(v, regions) for v in value]
+        return [_map_regions(v, fn) for v in value]
     return value
 
 
@@ -167,16 +166,16 @@ def read_buffer(data: bytes | mmap.mmap) -> dict[str, Any]:
 
 
 def _viewed(value: Any, data: bytes | mmap.mmap, end: int) -> Any:
-    if isinstance(value, Region):
-        if value.place is None:
-            raise ValueError(f"the window's tail names buffer {value.key} without its place")
-        offset, dtype, shape = value.place
+    """``value`` with every :class:`Region` replaced by a view of its bytes in ``data``, checked to lie before
+    ``end`` (the tail's offset)."""
+
+    def view(region: Region) -> torch.Tensor:
+        if region.place is None:
+            raise ValueError(f"the window's tail names buffer {region.key} without its place")
+        offset, dtype, shape = region.place
         entry = SlotEntry(offset, dtype, tuple(shape))
         if offset + entry.nbytes > end:
-            raise ValueError(f"buffer {value.key} lies at {offset}+{entry.nbytes}, past the regions' {end} bytes")
+            raise ValueError(f"buffer {region.key} lies at {offset}+{entry.nbytes}, past the regions' {end} bytes")
         return view_of(data, entry)
-    if isinstance(value, dict):
-        return {k: _viewed(v, data, end) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_viewed(v, data, end) for v in value]
-    return value
+
+    return _map_regions(value, view)

@@ -6,8 +6,8 @@ A window is captured straight into one of the rank's :class:`~moc_lightning.wind
 memory (:func:`memory_file`, beside its snapshot slots; window ``k`` into slot ``k`` mod 2): the captures' copies are
 the only pass over its bytes on the training thread. When it completes, the training thread hands it over
 (:meth:`WindowStore.hand_over`) and a background thread seals it (writes the small tail that makes the file a whole
-:mod:`~moc_lightning.window_file`) and, for a window to persist, copies that file to storage (:func:`window_object`;
-the kernel copies it where storage is a local directory) with its CRC32C. A crashed process on a healthy node resumes
+:mod:`~moc_lightning.window_file`) and, for a window to persist, copies that file to storage (:func:`window_object`)
+with its CRC32C, computed as its bytes are copied. A crashed process on a healthy node resumes
 from memory even when no storage write had landed; a lost node (its shared memory gone) resumes from storage.
 
 Beside each copy lies its *head* (:class:`WindowHead`, a sealed JSON object): the lineage stamp, the window's
@@ -74,8 +74,9 @@ from moc_lightning.window_file import WINDOW_SLOTS, WindowSlot
 STORAGE_COPIES = 3
 """Storage objects per rank, alternating by stored window (module docstring: why 3, not 2)."""
 
-MEMORY_SUFFIX = ".win"
-"""A rank's window slots in shared memory are its snapshot slots' folder name, ``.replay_window<slot>``, and this."""
+WINDOW_SUFFIX = ".win"
+"""The end of every window file's name: a rank's slots in shared memory (:func:`memory_file`) and its storage objects
+(:func:`window_object`)."""
 
 HEAD_PREFIX = "replay_head."
 """Names of the heads in storage begin so (not with :data:`WINDOW_PREFIX`: a head is no window)."""
@@ -86,7 +87,7 @@ SOURCES = ("memory", "storage")
 
 def window_object(rank: int, number: int) -> str:
     """The storage object of ``rank``'s stored window number ``number`` (its index over ``persist_every``)."""
-    return f"{WINDOW_PREFIX}rank{rank}.{number % STORAGE_COPIES}{MEMORY_SUFFIX}"
+    return f"{WINDOW_PREFIX}rank{rank}.{number % STORAGE_COPIES}{WINDOW_SUFFIX}"
 
 
 def head_object(rank: int, number: int) -> str:
@@ -96,7 +97,7 @@ def head_object(rank: int, number: int) -> str:
 
 def memory_file(slot_root: Path, slot: int) -> Path:
     """The rank's window slot number ``slot`` in shared memory, beside its snapshot slots (a lost node loses both)."""
-    return slot_root.with_name(f"{slot_root.name}.replay_window{slot}{MEMORY_SUFFIX}")
+    return slot_root.with_name(f"{slot_root.name}.replay_window{slot}{WINDOW_SUFFIX}")
 
 
 def memory_head(memory: Path) -> Path:
@@ -109,7 +110,7 @@ class Objects(Protocol):
 
     def put(self, name: str, data: bytes) -> None: ...
 
-    def put_file(self, name: str, source: Path) -> None: ...
+    def put_file(self, name: str, source: Path) -> int: ...
 
     def get(self, name: str) -> bytes | None: ...
 
@@ -195,11 +196,12 @@ class Place:
         self.objects.put(self.head, head.to_bytes())
 
     def copy(self, source: Path, head: WindowHead) -> None:
-        """Replace the copy by the bytes of file ``source``, whose head is ``head``: the old head goes first, so a
-        crash before the new head lands leaves no head that names other bytes."""
+        """Replace the copy by the bytes of file ``source``, whose head is ``head``, and write that head with their
+        CRC32C, computed as they are copied: the old head goes first, so a crash before the new head lands leaves no
+        head that names other bytes."""
         self.invalidate()
-        self.objects.put_file(self.name, source)
-        self.commit(head)
+        crc = self.objects.put_file(self.name, source)
+        self.commit(dataclasses.replace(head, crc=crc))
 
     def read_head(self) -> WindowHead | None:
         data = self.objects.get(self.head)
@@ -429,8 +431,9 @@ class WindowStore:
 
     @staticmethod
     def _store(source: Path, head: WindowHead, storage: Place) -> None:
-        """Copy the window file ``source`` (a slot) to ``storage``, its head with the file's CRC32C."""
-        nbytes, crc = read_through(source, crc=True)
+        """Copy the window file ``source`` (a slot) to ``storage``, its head with the file's CRC32C (one pass over
+        its bytes: :meth:`Place.copy`)."""
+        nbytes = source.stat().st_size
         if nbytes != head.length:
             raise ValueError(f"{source} holds {nbytes} bytes, its head says {head.length}")
-        storage.copy(source, dataclasses.replace(head, crc=crc))
+        storage.copy(source, head)

@@ -19,7 +19,7 @@ from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.parts import part_of
 from moc_lightning.units import parse_unit
-from moc_lightning.window_store import MEMORY_SUFFIX, WindowHead, memory_head
+from moc_lightning.window_store import WINDOW_SUFFIX, WindowHead, memory_head
 
 MODEL = GPTMoEConfig(block_size=32)
 
@@ -134,5 +134,5 @@ class FailFirstCommit(L.Callback):
 
 def window_slots(shm: Path, rank: int = 0) -> list[Path]:
     """``rank``'s replay window slots under the shared-memory root ``shm`` that hold a sealed window, newest first."""
-    sealed = [p for p in shm.rglob(f"rank{rank}.*{MEMORY_SUFFIX}") if memory_head(p).exists()]
+    sealed = [p for p in shm.rglob(f"rank{rank}.*{WINDOW_SUFFIX}") if memory_head(p).exists()]
     return sorted(sealed, key=lambda p: -WindowHead.from_bytes(memory_head(p).read_bytes()).end_step)

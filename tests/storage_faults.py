@@ -65,9 +65,9 @@ class FaultyStorage:
         self._count_put(name)
         self.inner.put(name, data)
 
-    def put_file(self, name: str, source: Path) -> None:
+    def put_file(self, name: str, source: Path) -> int:
         self._count_put(name)
-        self.inner.put_file(name, source)
+        return self.inner.put_file(name, source)
 
     def _count_put(self, name: str) -> None:
         """Count a put (of bytes or of a file); raise where ``fail_puts`` says this one fails."""

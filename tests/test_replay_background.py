@@ -50,14 +50,15 @@ class WindowPuts:
         """How long each window put took, in order of completion."""
         self._lock = threading.Lock()
 
-    def put(self, inner: Any, name: str, source: Path) -> None:
+    def put(self, inner: Any, name: str, source: Path) -> int:
         with self._lock:
             self.puts += 1
             n = self.puts
         start = time.perf_counter()
         self.before(n)
-        inner.put_file(name, source)
+        crc = inner.put_file(name, source)
         self.seconds.append(time.perf_counter() - start)
+        return crc
 
 
 class SlowableStorage:
@@ -67,7 +68,7 @@ class SlowableStorage:
     def __init__(self, inner: Any, puts: WindowPuts) -> None:
         self.inner, self.url, self.puts = inner, inner.url, puts
 
-    def put_file(self, name: str, source: Path) -> None:
+    def put_file(self, name: str, source: Path) -> int:
         if not name.startswith(WINDOW_PREFIX):
             return self.inner.put_file(name, source)
         return self.puts.put(self.inner, name, source)

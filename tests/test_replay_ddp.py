@@ -31,7 +31,7 @@ from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL
 from moc_lightning.replay_driver import WindowLog
 from moc_lightning.storage import make_storage
 from moc_lightning.window_file import WINDOW_SLOTS
-from moc_lightning.window_store import MEMORY_SUFFIX, STORAGE_COPIES, head_object, memory_head, window_object
+from moc_lightning.window_store import STORAGE_COPIES, WINDOW_SUFFIX, head_object, memory_head, window_object
 
 MAX_STEPS = 10
 WINDOW = 3
@@ -97,7 +97,7 @@ def _lose(root: Path, rank: int, crash: int, memory: bool, storage: bool) -> Non
     """Remove ``rank``'s newest window, with its head, from memory and/or storage."""
     index = _newest_end(crash) // WINDOW - 1
     if memory:
-        (copy,) = (root / "shm").rglob(f"rank{rank}.replay_window{index % WINDOW_SLOTS}{MEMORY_SUFFIX}")
+        (copy,) = (root / "shm").rglob(f"rank{rank}.replay_window{index % WINDOW_SLOTS}{WINDOW_SUFFIX}")
         copy.unlink()
         memory_head(copy).unlink()
     if storage:

@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.planner import (
 from zarr.core.dtype import data_type_registry
 from zarr.core.dtype.npy.float import Float16
 
-from moc_lightning.storage import CheckpointStorage, inflight, make_storage, zarr_arrays, zarr_dcp
+from moc_lightning.sealed import checksum
+from moc_lightning.storage import CheckpointStorage, inflight, make_storage, objects, zarr_arrays, zarr_dcp
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning", "ignore:Detected an existing checkpoint:UserWarning"
@@ -133,6 +134,21 @@ def test_put_file_stores_a_local_file_as_an_object_replacing_it_whole(storage: C
     assert storage.get("replay_window.rank0.0.pt") == source.read_bytes()
     if storage.url.startswith("file://"):
         assert _local_files(storage) == {"replay_window.rank0.0.pt"}
+
+
+def test_put_file_returns_the_crc32c_of_the_bytes_it_stored(
+    storage: CheckpointStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored replay window's head names its object's CRC32C (:mod:`moc_lightning.window_store`), computed while
+    the file is copied rather than in a second read of it: it is the CRC32C of the bytes read back, over several
+    chunks and a short last one."""
+    monkeypatch.setattr(objects, "COPY_CHUNK", 1 << 16)
+    source = tmp_path / "window in shared memory"
+    source.write_bytes(os.urandom((3 << 16) + 5))
+    crc = storage.put_file("replay_window.rank0.0.win", source)
+    stored = storage.get("replay_window.rank0.0.win")
+    assert stored == source.read_bytes()
+    assert crc == checksum(stored), f"returned {crc}, the bytes read back have CRC32C {checksum(stored):08x}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -49,9 +49,10 @@ class CheckpointStorage(Protocol):
         """Atomically write a small control object (``manifest.json``, ``step_X/moc.json``), durable on return."""
         ...
 
-    def put_file(self, name: str, source: Path) -> None:
-        """:meth:`put` of the bytes of local file ``source`` (a replay window), copied by the kernel where the root
-        is a local directory rather than read into a buffer."""
+    def put_file(self, name: str, source: Path) -> int:
+        """:meth:`put` of the bytes of local file ``source`` (a replay window), copied a chunk at a time where the
+        root is a local directory rather than read whole; returns the CRC32C of the bytes stored, computed as they
+        were copied."""
         ...
 
     def get(self, name: str) -> bytes | None:

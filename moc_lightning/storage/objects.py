@@ -22,6 +22,8 @@ from typing import BinaryIO, TypeVar
 
 import tensorstore as ts
 
+from moc_lightning.sealed import checksum
+
 T = TypeVar("T")
 
 
@@ -45,17 +47,29 @@ def make_dirs_durable(path: Path) -> None:
         fsync_dir(directory.parent)
 
 
-def copy_file(source: Path, target: BinaryIO) -> None:
-    """Append the bytes of file ``source`` to the open file ``target``, copied by the kernel (``sendfile``: from one
-    file's pages to the other's, across file systems too, never through a buffer of this process)."""
-    target.flush()
-    with source.open("rb") as f:
+COPY_CHUNK = 1 << 20
+"""Bytes per read of :func:`copy_file`: few enough that a chunk is still in a core's cache when it is checksummed and
+written (a 300 MB file to tmpfs on 2 shared cores: 1-2 MiB chunks 0.39-0.40 s, 4-16 MiB 0.59-0.65 s)."""
+
+
+def copy_file(source: Path, target: BinaryIO) -> int:
+    """Append the bytes of file ``source`` to the open file ``target``; returns their CRC32C.
+
+    One pass: each chunk is read, checksummed and written. A copy by the kernel (``sendfile``) moves no byte through
+    this process, but the checksum then needs a second read of the whole file, which costs more than it saves (a
+    315 MB replay window from shared memory to a local disk, fsync included, on 2 shared cores: 0.46 s against 0.93 s
+    checksummed first, then sent)."""
+    crc = 0
+    with source.open("rb", buffering=0) as f:
         size, copied = os.fstat(f.fileno()).st_size, 0
         while copied < size:
-            sent = os.sendfile(target.fileno(), f.fileno(), copied, size - copied)
-            if sent == 0:
+            data = f.read(min(COPY_CHUNK, size - copied))
+            if not data:
                 raise OSError(f"{source} ended after {copied} of its {size} bytes while being copied")
-            copied += sent
+            crc = checksum(data, crc)
+            target.write(data)
+            copied += len(data)
+    return crc
 
 
 class LocalObjects:
@@ -71,9 +85,10 @@ class LocalObjects:
         """Write ``name`` atomically: readers see the old bytes or the new ones; durable on return."""
         self.write(name, lambda f: f.write(data))
 
-    def put_file(self, name: str, source: Path) -> None:
-        """:meth:`put` of the bytes of local file ``source``, which the kernel copies (:func:`copy_file`)."""
-        self.write(name, lambda f: copy_file(source, f))
+    def put_file(self, name: str, source: Path) -> int:
+        """:meth:`put` of the bytes of local file ``source``, copied a chunk at a time (:func:`copy_file`); returns
+        their CRC32C."""
+        return self.write(name, lambda f: copy_file(source, f))
 
     def write(self, name: str, fill: Callable[[BinaryIO], T]) -> T:
         """Write ``name`` atomically with what ``fill`` writes into the open (temporary) file, durable on return
@@ -140,9 +155,12 @@ class KvObjects:
         """Write ``name``; TensorStore acknowledges a write only once the store has it whole."""
         self.kvstore.write(name, data).result()
 
-    def put_file(self, name: str, source: Path) -> None:
-        """:meth:`put` of the bytes of local file ``source`` (read whole: a key is written in one request)."""
-        self.put(name, source.read_bytes())
+    def put_file(self, name: str, source: Path) -> int:
+        """:meth:`put` of the bytes of local file ``source`` (read whole: a key is written in one request); returns
+        their CRC32C."""
+        data = source.read_bytes()
+        self.put(name, data)
+        return checksum(data)
 
     def get(self, name: str) -> bytes | None:
         """The bytes of ``name``; ``None`` if it does not exist."""

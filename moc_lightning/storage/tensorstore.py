@@ -41,9 +41,10 @@ class TensorStoreStorage:
         """Atomically write control object ``name``, durable on return."""
         self.objects.put(name, data)
 
-    def put_file(self, name: str, source: Path) -> None:
-        """Atomically write control object ``name`` with the bytes of local file ``source``, durable on return."""
-        self.objects.put_file(name, source)
+    def put_file(self, name: str, source: Path) -> int:
+        """Atomically write control object ``name`` with the bytes of local file ``source``, durable on return;
+        returns their CRC32C."""
+        return self.objects.put_file(name, source)
 
     def get(self, name: str) -> bytes | None:
         """Read control object ``name``; ``None`` if missing."""
