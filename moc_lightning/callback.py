@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -728,7 +729,9 @@ class _MoCCheckpointIO(CheckpointIO):
 def _route_strategy_loads(strategy: Strategy) -> None:
     """Route a MoC ``ckpt_path`` of a strategy that reads checkpoints itself, not through its ``CheckpointIO``
     (``ModelParallelStrategy`` loads a DCP directory into the model and optimizers), to :meth:`MoCCheckpoint.restore`.
-    Such a strategy loads no model or optimizer state from the returned dict: recovery restored them in place."""
+    Such a strategy loads no model or optimizer state from the returned dict: recovery restored the tensors in place,
+    and the param groups' hyperparameters (the learning rate a schedule reached) are set here, as
+    ``optimizer.load_state_dict`` would set them."""
     if getattr(strategy, "_moc_routed", False):
         return
     original = strategy.load_checkpoint
@@ -736,11 +739,22 @@ def _route_strategy_loads(strategy: Strategy) -> None:
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         io = strategy.checkpoint_io
         if isinstance(io, _MoCCheckpointIO) and io.is_moc(checkpoint_path):
-            return io.callback.restore()
+            checkpoint = io.callback.restore()
+            if not strategy.lightning_restore_optimizer:
+                _restore_param_groups(strategy.optimizers, checkpoint.get("optimizer_states", []))
+            return checkpoint
         return original(checkpoint_path, weights_only=weights_only)
 
     strategy.load_checkpoint = load_checkpoint
     strategy._moc_routed = True
+
+
+def _restore_param_groups(optimizers: Sequence[torch.optim.Optimizer], saved: Sequence[dict[str, Any]]) -> None:
+    """Each param group's hyperparameters (``lr``, ``betas``, ``weight_decay``, a scheduler's ``initial_lr``) as
+    ``saved`` (a checkpoint's ``optimizer_states``) has them; its parameters and their state stay as they are."""
+    for optimizer, state in zip(optimizers, saved):
+        for group, saved_group in zip(optimizer.param_groups, state.get("param_groups", [])):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
 
 
 def _last_through_moc(trainer: L.Trainer) -> str | None:

@@ -2,7 +2,7 @@
 damaged stored files; after every recovery the restored state, the data order and completion are checked.
 
     python recipes/chaos.py trials=20 out=chaos.json [seed=0] [work=/tmp/moc_chaos] [max_steps=24] [keep=0]
-                            [data_parallel=ddp|zero2] [pec_scope=both|optimizer|weights]
+                            [data_parallel=ddp|zero2|fsdp2] [pec_scope=both|optimizer|weights]
     python recipes/chaos.py seeds=111,118 out=chaos.json      # rerun chosen trials
 
 Trial ``i`` draws its faults from seed ``seed + i``; ``seeds`` runs exactly those (a failing trial's seed

@@ -336,7 +336,8 @@ def test_fsdp2_recovers_each_part_from_its_newest_slot_under_each_pec_scope(
 
 
 class _RecordPieces(L.Callback):
-    """This rank's pieces of every unit when training starts (after a resume's restore) and when fit ends."""
+    """This rank's pieces of every unit when training starts (after a resume's restore) and when fit ends, and the
+    learning rate of every param group (what the warm-up schedule sets)."""
 
     def __init__(self) -> None:
         self.pieces: dict[str, dict[str, torch.Tensor]] = {}
@@ -344,6 +345,8 @@ class _RecordPieces(L.Callback):
     def _record(self, when: str, trainer: L.Trainer, module: L.LightningModule) -> None:
         layout = build_layout(module, trainer.optimizers[0])
         self.pieces[when] = {k: t.clone() for k, t in layout.pieces(layout.units).items()}
+        for i, group in enumerate(trainer.optimizers[0].param_groups):
+            self.pieces[when][f"lr/{i}"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._record("start", trainer, module)
@@ -380,7 +383,8 @@ def _lightning_fits(rank: int, world_size: int, root: str) -> dict:
 def test_moc_checkpoint_persists_and_resumes_under_model_parallel_strategy(tmp_path: Path) -> None:
     """A Lightning user moving from DDP to ``ModelParallelStrategy`` (fsdp2) keeps MoCCheckpoint unchanged: the fit
     persists every unit at its end, and a fresh module resumed through ``ckpt_path=moc.resume_target()`` starts
-    training from exactly those pieces (weights and Adam state, bitwise on every rank), then trains on."""
+    training from exactly those pieces (weights and Adam state, bitwise on every rank) at the learning rate the run
+    had reached (``ModelParallelStrategy`` restores no optimizer from a checkpoint dict), then trains on."""
     ranks = run_ranks(_lightning_fits, 2, tmp_path, str(tmp_path), init_process_group=False)
     for rank in ranks:
         first, resumed = rank[0], rank[1]

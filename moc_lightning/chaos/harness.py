@@ -39,7 +39,7 @@ KILL_PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit")
 DAMAGE_TARGETS = ("data", "metadata", "moc_json", "manifest")
 DAMAGE_OPS = ("flip", "truncate", "delete")
 SECOND_FAULTS = ("none", "node_loss", "damage", "kill_recovery", "kill_train")
-CHAOS_MODES = ("ddp", "zero2")
+CHAOS_MODES = ("ddp", "zero2", "fsdp2")
 HANG_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
@@ -58,14 +58,16 @@ class TrialConfig:
     """Seconds an incarnation may take before it counts as hung."""
     pg_timeout: float = 60.0
     data_parallel: str = "ddp"
-    """``trainer.data_parallel`` of the job: ``ddp`` or ``zero2`` (each unit's optimizer state on one rank)."""
+    """``trainer.data_parallel`` of the job: ``ddp``, ``zero2`` (each unit's optimizer state on one rank) or ``fsdp2``
+    (every weight and optimizer state a DTensor sharded over the ranks, through Lightning's ``ModelParallelStrategy``;
+    the oracle digests each rank's pieces)."""
     pec_scope: str = "both"
     """``checkpoint.pec_scope`` of the job: ``both``, ``optimizer`` or ``weights`` (an expert's parts then come
     from different steps, and the ``restore`` check holds each part to its own)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in CHAOS_MODES:
-            raise ValueError(f"data_parallel={self.data_parallel!r} is not allowed; chaos trials run {' or '.join(CHAOS_MODES)}")
+            raise ValueError(f"data_parallel={self.data_parallel!r} is not allowed; chaos trials run {', '.join(CHAOS_MODES)}")
         if self.pec_scope not in SCOPES:
             raise ValueError(f"pec_scope={self.pec_scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
 

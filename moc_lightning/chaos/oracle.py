@@ -24,12 +24,16 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 INCARNATION_ENV = "MOC_INCARNATION"
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """Digest of a tensor's dtype, shape and bytes: equal digests mean bitwise equal tensors."""
+    """Digest of a tensor's dtype, shape and bytes: equal digests mean bitwise equal tensors; of a DTensor, this rank's
+    piece of it (what this rank holds, gathering nothing)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     t = tensor.detach().cpu().contiguous()
     h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.chaos.harness import RANKS_PER_NODE, WORLD
@@ -29,6 +29,7 @@ from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.launch import standalone
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL
 
 MODEL = GPTMoEConfig(block_size=32)
 
@@ -44,7 +45,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--k-persist", type=int, default=1)
     parser.add_argument("--pg-timeout", type=float, default=60.0, help="process-group timeout in seconds")
     parser.add_argument("--no-moc", action="store_true", help="train without MoC (the reference run)")
-    parser.add_argument("--data-parallel", default="ddp", help="trainer.data_parallel: ddp or zero2")
+    parser.add_argument("--data-parallel", default="ddp", help="trainer.data_parallel: ddp, zero2 or fsdp2")
     parser.add_argument("--pec-scope", default="both", help="checkpoint.pec_scope: both, optimizer or weights")
     return parser.parse_args()
 
@@ -68,10 +69,16 @@ def train(args: argparse.Namespace) -> None:
         callbacks.append(moc)
     module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel)
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
+    timeout = timedelta(seconds=args.pg_timeout)
+    strategy: Strategy = DDPStrategy(process_group_backend="gloo", timeout=timeout)
+    if args.data_parallel in SHARDED_DATA_PARALLEL:
+        strategy = ModelParallelStrategy(
+            data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend="gloo", timeout=timeout
+        )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=args.pg_timeout)),
+        strategy=strategy,
         max_steps=args.max_steps,
         limit_val_batches=0,
         logger=False,
