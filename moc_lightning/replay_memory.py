@@ -2,7 +2,8 @@
 shared-memory root there (issue 14, item 3), as PEC's snapshot slots are.
 
 A window (:class:`~moc_lightning.replay.WindowRecord`) holds, per iteration, the full state of the units active
-there and the compute weights of the units still frozen. It is captured straight into one of the rank's
+there and the compute weights of the units still frozen, in the dtype the forward reads them in (bf16 under FSDP2's
+bf16 mixed precision, :mod:`moc_lightning.compute_dtype`). It is captured straight into one of the rank's
 :data:`~moc_lightning.window_file.WINDOW_SLOTS` files in node-local shared memory (the newest complete window, and the
 one being captured), allocated before the first capture and reused, so the slots are all the memory the windows take:
 none in the process besides. Under FSDP2/HSDP a rank's window holds its pieces of the units (their local shards), and
