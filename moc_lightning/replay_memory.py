@@ -28,12 +28,12 @@ from moc_lightning.window_file import WINDOW_SLOTS
 
 def window_sizes(layout: Layout, local: bool = False) -> dict[Unit, UnitBytes]:
     """Each unit's bytes with the optimizer state it has, or will have once stepped: whole (what the schedule is
-    planned from, the same on every rank) or, ``local``, this rank's pieces of it (what its captures copy under
-    FSDP2/HSDP)."""
+    planned from, the same on every rank) or, ``local``, what this rank's captures copy of it: its pieces under
+    FSDP2/HSDP, and under ZeRO-2 no optimizer state unless it is the unit's owner (the only rank that keeps it)."""
     sizes = {}
     for unit in layout.units:
         size = layout.unit_bytes(unit, local=local)
-        if size.optimizer == 0:
+        if size.optimizer == 0 and (not local or all(map(layout.keeps_state, layout.param_names(unit)))):
             size = dataclasses.replace(size, optimizer=expected_state_bytes(layout, unit, local=local))
         sizes[unit] = size
     return sizes
