@@ -23,6 +23,11 @@ another. Under ZeRO-2 a rank copies the optimizer state of the units it owns onl
 the coordinator weighs its own share, which the partition balances by size over the ranks, though not offset by offset:
 another rank's largest copy may exceed it by part of a unit's state.
 
+Weights logged in their compute dtype (bf16 under FSDP2's bf16 mixed precision, :mod:`moc_lightning.compute_dtype`)
+count at the bytes they take, the cast copy's output; the cast reads twice that, and on the 2-core test machine a cast
+of 128 MB of fp32 into bf16 took 0.75-1.1x the time of its fp32 copy (noisy), so the copy time of those weights may be
+up to 2x what their bytes at the measured bandwidth say.
+
 The budget weighs the copy only. The seal of each completed window in shared memory and its storage write run off the
 training thread (:mod:`moc_lightning.window_store`); what the training thread waits for them at a hand-over (the
 previous window's writes, when slower than a window) is not in it.
