@@ -154,6 +154,10 @@ class BenchConfig:
     data_parallel: str = "ddp"
     """``ddp``, ``zero2`` or ``fsdp2`` (``trainer.data_parallel``): how the processes hold the state. Under ``zero2``
     on several processes Lightning's ``ModelCheckpoint`` (rank 0's optimizer state only) is skipped, saying why."""
+    precision: str = "32-true"
+    """Lightning precision of every run (``trainer.precision``), one the ``data_parallel`` mode trains in: under
+    ``fsdp2`` ``bf16-mixed`` computes in bf16 from fp32 sharded weights, and ``moc_replay`` logs its frozen units'
+    weights in that bf16."""
     out: str = ""
     """JSON result file; empty: ``<run output dir>/bench.json``."""
     work_dir: str = ""
@@ -167,6 +171,7 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"methods {unknown} are unknown; choose among: {', '.join(METHODS)}")
         check_data_parallel(self.data_parallel, BENCH_DATA_PARALLEL, by="recipes/bench.py")
+        _train_config(self, self.steps)  # the Trainer's own checks (precision against data_parallel), before any run
         for name in ("steps", "every_n_train_steps", "devices", "replay_window", "replay_persist_every_n_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -821,6 +826,7 @@ def _train_config(cfg: BenchConfig, max_steps: int) -> TrainConfig:
         accelerator=cfg.accelerator,
         devices=cfg.devices,
         data_parallel=cfg.data_parallel,
+        precision=cfg.precision,
         max_steps=max_steps,
         val_check_interval=max_steps,
         limit_val_batches=0,
@@ -1093,6 +1099,7 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         "world_size": cfg.devices,
         "devices": cfg.devices,
         "data_parallel": cfg.data_parallel,
+        "precision": cfg.precision,
         "accelerator": cfg.accelerator,
         "setup": SETUP,
         "model": asdict(cfg.model),
@@ -1136,7 +1143,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The methods as a markdown table, headed by the set-up and the speed of light they are measured against."""
     sol = result["speed_of_light"]
     lines = [
-        f"{result['world_size']} process(es), {result['data_parallel']}: {result['setup']}; "
+        f"{result['world_size']} process(es), {result['data_parallel']} at {result['precision']}: {result['setup']}; "
         f"{result['steps']} steps, checkpoint every {result['every_n_train_steps']}; "
         f"state {result['state_bytes'] / 1e6:.1f} MB; no-checkpoint iteration {result['baseline_iter_ms']} ms",
         f"speed of light: copy into a reused buffer {sol['copy_gbps']} GB/s, "

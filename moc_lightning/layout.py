@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP places pieces by
 
 from moc_lightning.claims import Router, find_router, no_experts_error, stacked_views
+from moc_lightning.compute_dtype import compute_dtypes
 from moc_lightning.pieces import has_dtensors, piece
 from moc_lightning.units import DenseUnit, ExpertUnit, Unit, parse_unit
 
@@ -138,10 +139,19 @@ class UnitBytes:
     weight_numel: int
     buffers: int = 0
     """Persistent buffers (norm statistics, a load-balancing bias): saved with the unit like its weights."""
+    compute_weights: int | None = None
+    """The weights in the dtype a forward reads them in (:attr:`Layout.compute_dtypes`); ``None``: their own dtype,
+    :attr:`weights`."""
 
     @property
     def total(self) -> int:
         return self.weights + self.optimizer + self.buffers
+
+    @property
+    def logged(self) -> int:
+        """What replay mode logs of the unit while it is frozen: what a forward reads, its weights in their compute
+        dtype and its buffers."""
+        return (self.weights if self.compute_weights is None else self.compute_weights) + self.buffers
 
 
 def param_key(unit: Unit, local_name: str) -> str:
@@ -195,6 +205,10 @@ class Layout:
     """Other names ``state_dict()`` holds a parameter or buffer under (a head tied to the embedding:
     ``lm_head.weight`` -> ``model.embed_tokens.weight``), each to the one name its unit holds it by; what a
     consolidated checkpoint must repeat for the model's own ``load_state_dict`` to accept it."""
+    compute_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    """Parameter name -> the dtype a forward reads it in, for each parameter a sharding wrapper casts exactly for
+    compute (FSDP2's mixed precision, :func:`~moc_lightning.compute_dtype.compute_dtypes`); the others are read in
+    their own dtype."""
 
     @cached_property
     def units(self) -> tuple[Unit, ...]:
@@ -250,17 +264,33 @@ class Layout:
         """As :meth:`model_tensors`, each DTensor as this rank's local piece of it (sharing its storage)."""
         return {key: piece(tensor) for key, tensor in self.model_tensors(units).items()}
 
+    def compute_dtype(self, key: str, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype a forward reads ``tensor``, the model tensor ``key`` (one of :meth:`model_tensors`), in: its
+        parameter's :attr:`compute_dtypes` entry, else its own."""
+        return self._compute_dtypes_by_key.get(key, tensor.dtype)
+
+    @cached_property
+    def _compute_dtypes_by_key(self) -> dict[str, torch.dtype]:
+        return {
+            param_key(unit, slot.local_name): self.compute_dtypes[slot.param]
+            for unit, slots in self.slots.items() for slot in slots
+            if not slot.buffer and slot.param in self.compute_dtypes
+        }
+
     def unit_bytes(self, unit: Unit, local: bool = False) -> UnitBytes:
         """Bytes of the unit now, whole (a DTensor's global size); ``local``: of this rank's pieces of it (what
         its snapshot copies). Optimizer bytes are 0 until the optimizer has created its state."""
         sizes = {"weight": 0, "optimizer": 0, "buffer": 0}
-        numel = 0
-        for _, tensor, kind in self._entries(unit):
+        numel = compute = 0
+        for key, tensor, kind in self._entries(unit):
             tensor = piece(tensor) if local else tensor
             sizes[kind] += tensor.numel() * tensor.element_size()
-            numel += tensor.numel() if kind == "weight" else 0
+            if kind == "weight":
+                numel += tensor.numel()
+                compute += tensor.numel() * self.compute_dtype(key, tensor).itemsize
         return UnitBytes(
-            weights=sizes["weight"], optimizer=sizes["optimizer"], weight_numel=numel, buffers=sizes["buffer"]
+            weights=sizes["weight"], optimizer=sizes["optimizer"], weight_numel=numel, buffers=sizes["buffer"],
+            compute_weights=compute,
         )
 
     def _entries(self, unit: Unit) -> Iterator[tuple[str, torch.Tensor, str]]:
@@ -547,6 +577,7 @@ def build_layout(
         optimizer=optimizer,
         buffers=buffers,
         aliases=_aliases(model, {**params, **buffers}),
+        compute_dtypes=compute_dtypes(model),
     )
 
 

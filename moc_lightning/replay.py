@@ -12,8 +12,10 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
 - **Capture at t** runs after iteration t's optimizer step and before iteration t+1's forward (the snapshot
   point of every other mode). It copies the full state (weights, optimizer state including Adam's ``step``,
   persistent buffers) of the units with ``t_u == t``, and the weights and buffers of the units with
-  ``t_u > t``: exactly what iteration t+1's forward reads. Buffers count as compute weights because a
-  forward may read them (a router's load-balancing bias) and update them (norm statistics).
+  ``t_u > t``: exactly what iteration t+1's forward reads, in the dtype it reads them in
+  (:mod:`moc_lightning.compute_dtype`: bf16 where FSDP2's mixed precision all-gathers the weights in bf16, their own
+  dtype elsewhere). Buffers count as compute weights because a forward may read them (a router's load-balancing bias)
+  and update them (norm statistics).
 - **Replay at i**, for i = 1 .. W-1, recomputes iteration i. Units with ``t_u < i`` hold their true state
   after iteration i-1 (restored at ``t_u``, trained since) and train normally. Units with ``t_u >= i`` are
   frozen: they get the weights captured at i-1 (those iteration i read), run forward and backward so
@@ -41,11 +43,12 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
   (the driver checks the ranks agree).
 - **Under FSDP2 and HSDP** (:mod:`moc_lightning.pieces`) every rank holds a piece (the local shard) of every unit's
   weights and of its optimizer state, so a rank's captures and restores are of its pieces (:meth:`Layout.pieces`,
-  :meth:`Layout.model_pieces`, :meth:`Layout.copy_in`): the logged weights written into a frozen unit's shards
-  before a forward are what FSDP2's all-gather hands every rank, and a trained unit's shard is stepped by its rank
-  alone (HSDP's replicas alike, on the same gradient). A frozen unit's gradient, reduce-scattered by the backward
-  as the fault-free iteration did, is dropped from its sharded parameter as under DDP. The schedule is planned from
-  whole units' sizes (a DTensor's global size), so every holder of a unit follows the same ``t_u``.
+  :meth:`Layout.model_pieces`, :meth:`Layout.copy_in`): the logged weights written into a frozen unit's shards before a
+  forward are what FSDP2's all-gather hands every rank (logged in bf16 under its bf16 mixed precision, they go back into
+  the fp32 shards as ``float(bf16(w))``, which the all-gather casts to the same ``bf16(w)``), and a trained unit's shard
+  is stepped by its rank alone (HSDP's replicas alike, on the same gradient). A frozen unit's gradient, reduce-scattered
+  by the backward as the fault-free iteration did, is dropped from its sharded parameter as under DDP. The schedule is
+  planned from whole units' sizes (a DTensor's global size), so every holder of a unit follows the same ``t_u``.
 - Gradients are set to ``None`` before each replayed iteration and after the replay, as
   ``zero_grad(set_to_none=True)`` does: the fault-free training loop must do the same, or a parameter
   without gradient in some iteration (an expert that got no token) would be stepped on a zero gradient in
@@ -87,7 +90,7 @@ def window_schedule(
         """(full state, weights logged while frozen)."""
         if sizes is None:
             return 1, 0
-        return sizes[unit].total, sizes[unit].weights + sizes[unit].buffers
+        return sizes[unit].total, sizes[unit].logged
 
     schedule: dict[Unit, int] = {}
     experts: dict[int, list[ExpertUnit]] = {}
@@ -111,15 +114,16 @@ def window_schedule(
 
 
 def capture_bytes(layout: Layout, schedule: Mapping[Unit, int], window: int) -> list[int]:
-    """Bytes each offset of the window copies: the full state of its active units, the weights and buffers
-    of its frozen ones (read from the live tensors, so optimizer state counts once it exists)."""
+    """Bytes each offset of the window copies: the full state of its active units, the weights (in their compute
+    dtype, :attr:`UnitBytes.logged`) and buffers of its frozen ones (read from the live tensors, so optimizer state
+    counts once it exists)."""
     return offset_bytes({unit: layout.unit_bytes(unit) for unit in schedule}, schedule, window)
 
 
 def offset_bytes(sizes: Mapping[Unit, UnitBytes], schedule: Mapping[Unit, int], window: int) -> list[int]:
     """:func:`capture_bytes` from given unit sizes (pure: the window's choice weighs windows not captured yet)."""
     return [
-        sum(s.total if schedule[u] == t else s.weights + s.buffers for u, s in sizes.items() if schedule[u] >= t)
+        sum(s.total if schedule[u] == t else s.logged for u, s in sizes.items() if schedule[u] >= t)
         for t in range(window)
     ]
 
@@ -128,8 +132,9 @@ class Buffers(Protocol):
     """Where a window's captures are copied: a buffer per :data:`~moc_lightning.window_file.BufferKey`, reused from
     window to window."""
 
-    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
-        """The buffer of ``key``, shaped and typed as ``like`` (made anew when ``like``'s shape or dtype changed)."""
+    def buffer(self, key: BufferKey, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The buffer of ``key``, shaped as ``like`` and of ``dtype`` (``like``'s by default; a frozen unit's weights
+        are logged in their compute dtype), made anew when the shape or dtype changed."""
         ...
 
 
@@ -141,10 +146,11 @@ class ProcessBuffers:
     device: torch.device | str = "cpu"
     _buffers: dict[BufferKey, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
+    def buffer(self, key: BufferKey, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = like.dtype if dtype is None else dtype
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self._buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != dtype:
+            buffer = self._buffers[key] = torch.empty(like.shape, dtype=dtype, device=self.device)
         return buffer
 
 
@@ -165,7 +171,9 @@ class WindowRecord:
     window."""
     logged: list[dict[str, torch.Tensor]] = field(default_factory=list, init=False)
     """Per offset, the weights and buffers (:meth:`Layout.model_tensors` keys; this rank's pieces of them) of the
-    units frozen there."""
+    units frozen there, each in the dtype a forward reads it in (:meth:`Layout.compute_dtype`: bf16 for a weight
+    FSDP2's mixed precision all-gathers in bf16, half the bytes of its fp32 shard, and exact, see
+    :mod:`moc_lightning.compute_dtype`)."""
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -207,7 +215,9 @@ class WindowRecord:
             self.full[unit] = {key: self.buffers.buffer((FULL, key), tensor) for key, tensor in state.items()}
             copies += [(key, self.full[unit][key], tensor) for key, tensor in state.items()]
         frozen = layout.model_pieces([u for u, tu in self.schedule.items() if tu > t])
-        self.logged.append({key: self.buffers.buffer((t, key), tensor) for key, tensor in frozen.items()})
+        self.logged.append(
+            {key: self.buffers.buffer((t, key), like, layout.compute_dtype(key, like)) for key, like in frozen.items()}
+        )
         copies += [(key, self.logged[t][key], tensor) for key, tensor in frozen.items()]
         return copies
 

@@ -78,9 +78,9 @@ PRECISIONS: dict[str, tuple[str, ...]] = {
 """``trainer.data_parallel`` modes a replay repeats bitwise, each with the Lightning precisions it was checked at: fp32
 weights (the logged compute weights are the fp32 weights), ``bf16-mixed`` (the autocast that the strategy's
 ``training_step`` enters as Lightning's loop does; under ``fsdp2``/``hsdp`` also the ``MixedPrecisionPolicy`` that
-all-gathers the fp32 shards, logged as they are, in bf16) and, under ``zero2``, ``bf16-true`` (bf16 weights logged as
-the forward reads them, the fp32 masters in the owner's optimizer state). Under ``hsdp`` a piece's replicas capture
-and replay it alike, as under ``fsdp2``."""
+all-gathers the fp32 shards in bf16, whose frozen units are logged in that bf16, :mod:`moc_lightning.compute_dtype`)
+and, under ``zero2``, ``bf16-true`` (bf16 weights logged as the forward reads them, the fp32 masters in the owner's
+optimizer state). Under ``hsdp`` a piece's replicas capture and replay it alike, as under ``fsdp2``."""
 
 STRATEGIES: dict[str, tuple[type[Strategy], ...]] = {
     "ddp": (DDPStrategy, SingleDeviceStrategy),

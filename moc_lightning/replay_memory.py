@@ -2,7 +2,8 @@
 shared-memory root there (issue 14, item 3), as PEC's snapshot slots are.
 
 A window (:class:`~moc_lightning.replay.WindowRecord`) holds, per iteration, the full state of the units active
-there and the compute weights of the units still frozen. It is captured straight into one of the rank's
+there and the compute weights of the units still frozen, in the dtype the forward reads them in (bf16 under FSDP2's
+bf16 mixed precision, :mod:`moc_lightning.compute_dtype`). It is captured straight into one of the rank's
 :data:`~moc_lightning.window_file.WINDOW_SLOTS` files in node-local shared memory (the newest complete window, and the
 one being captured), allocated before the first capture and reused, so the slots are all the memory the windows take:
 none in the process besides. Under FSDP2/HSDP a rank's window holds its pieces of the units (their local shards), and
@@ -27,12 +28,12 @@ from moc_lightning.window_file import WINDOW_SLOTS
 
 def window_sizes(layout: Layout, local: bool = False) -> dict[Unit, UnitBytes]:
     """Each unit's bytes with the optimizer state it has, or will have once stepped: whole (what the schedule is
-    planned from, the same on every rank) or, ``local``, this rank's pieces of it (what its captures copy under
-    FSDP2/HSDP)."""
+    planned from, the same on every rank) or, ``local``, what this rank's captures copy of it: its pieces under
+    FSDP2/HSDP, and under ZeRO-2 no optimizer state unless it is the unit's owner (the only rank that keeps it)."""
     sizes = {}
     for unit in layout.units:
         size = layout.unit_bytes(unit, local=local)
-        if size.optimizer == 0:
+        if size.optimizer == 0 and (not local or all(map(layout.keeps_state, layout.param_names(unit)))):
             size = dataclasses.replace(size, optimizer=expected_state_bytes(layout, unit, local=local))
         sizes[unit] = size
     return sizes

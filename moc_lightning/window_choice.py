@@ -1,14 +1,14 @@
 """``checkpoint.replay.window=auto``: the replay window W from the measured copy bandwidth and iteration time.
 
-Every iteration replay mode copies the full state of the units active there and the weights of the units still
-frozen, under the schedule planned from whole units (:func:`~moc_lightning.replay_memory.window_plan`: the same on
-every rank); under FSDP2/HSDP a rank copies its pieces of them (its local shards), so the copy weighed is of those,
-as the memory report sizes it (:func:`~moc_lightning.replay_memory.window_memory`). A larger W spreads the full
-states thinner, so the largest copy of an iteration falls, but a resume replays up to W-1 iterations, and the weights
-logged at the window's first offset are a floor no W goes below. So W is the smallest window whose largest
-per-iteration copy takes at most ``COPY_BUDGET`` of an iteration at the measured copy bandwidth; when no W from 1 to
-the number of units fits, the one that copies least (the smallest such W), and the choice says that the budget is
-not met.
+Every iteration replay mode copies the full state of the units active there and the weights of the units still frozen,
+under the schedule planned from whole units (:func:`~moc_lightning.replay_memory.window_plan`: the same on every rank);
+under FSDP2/HSDP a rank copies its pieces of them (its local shards), and under ZeRO-2 the optimizer state of the units
+it owns only, so the copy weighed is of those, as the memory report sizes it
+(:func:`~moc_lightning.replay_memory.window_memory`). A larger W spreads the full states thinner, so the largest copy of
+an iteration falls, but a resume replays up to W-1 iterations, and the weights logged at the window's first offset are a
+floor no W goes below. So W is the smallest window whose largest per-iteration copy takes at most ``COPY_BUDGET`` of an
+iteration at the measured copy bandwidth; when no W from 1 to the number of units fits, the one that copies least (the
+smallest such W), and the choice says that the budget is not met.
 
 The inputs are measured in the fit's first iterations (:class:`WindowProbe`): an iteration's time from batch
 start to batch end (forward, backward, optimizer step), the median of ``MEASURED_ITERATIONS`` after
@@ -16,10 +16,17 @@ start to batch end (forward, backward, optimizer step), the median of ``MEASURED
 the snapshot's speed of light) over this rank's pieces of the live state of the units, at most ``MEASURE_BYTES`` of
 it. No window is captured before W is chosen: a fault in those first iterations finds nothing newer to replay.
 
-Every rank takes the coordinator's choice (the callback's :func:`~moc_lightning.agreement.from_coordinator`), made
-from the coordinator's own pieces: a window must end at the same step on every rank. Under FSDP2/HSDP that is the
-largest copy of any rank: a unit's tensors are sharded along dim 0 in :func:`torch.chunk`'s pieces, the first never
-smaller than another.
+Every rank takes the coordinator's choice (the callback's :func:`~moc_lightning.agreement.from_coordinator`), made from
+the coordinator's own pieces: a window must end at the same step on every rank. Under FSDP2/HSDP that is the largest
+copy of any rank: a unit's tensors are sharded along dim 0 in :func:`torch.chunk`'s pieces, the first never smaller than
+another. Under ZeRO-2 a rank copies the optimizer state of the units it owns only (the others' owners copy theirs), so
+the coordinator weighs its own share, which the partition balances by size over the ranks, though not offset by offset:
+another rank's largest copy may exceed it by part of a unit's state.
+
+Weights logged in their compute dtype (bf16 under FSDP2's bf16 mixed precision, :mod:`moc_lightning.compute_dtype`)
+count at the bytes they take, the cast copy's output; the cast reads twice that, and on the 2-core test machine a cast
+of 128 MB of fp32 into bf16 took 0.75-1.1x the time of its fp32 copy (noisy), so the copy time of those weights may be
+up to 2x what their bytes at the measured bandwidth say.
 
 The budget weighs the copy only. The seal of each completed window in shared memory and its storage write run off the
 training thread (:mod:`moc_lightning.window_store`); what the training thread waits for them at a hand-over (the

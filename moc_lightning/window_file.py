@@ -65,12 +65,13 @@ class WindowSlot:
         costs several times a copy, and a full tmpfs fails here (ENOSPC) rather than with SIGBUS in a copy."""
         self._map(nbytes)
 
-    def buffer(self, key: BufferKey, like: torch.Tensor) -> torch.Tensor:
-        """The region of ``key``, shaped as ``like``: the one of the previous windows when its shape and dtype still
-        fit, else a new one at the end."""
+    def buffer(self, key: BufferKey, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The region of ``key``, shaped as ``like`` and of ``dtype`` (``like``'s by default): the one of the previous
+        windows when its shape and dtype still fit, else a new one at the end."""
+        dtype_name = str(like.dtype if dtype is None else dtype)
         entry = self.regions.get(key)
-        if entry is None or entry.shape != tuple(like.shape) or entry.dtype != str(like.dtype):
-            entry = self.regions[key] = SlotEntry(self._end, str(like.dtype), tuple(like.shape))
+        if entry is None or entry.shape != tuple(like.shape) or entry.dtype != dtype_name:
+            entry = self.regions[key] = SlotEntry(self._end, dtype_name, tuple(like.shape))
             self._end += -(-entry.nbytes // ALIGN) * ALIGN
             self._views.pop(key, None)
         view = self._views.get(key)

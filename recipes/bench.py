@@ -2,6 +2,7 @@
 
     python recipes/bench.py preset=quick out=/tmp/bench.json
     torchrun --standalone --nproc-per-node=2 recipes/bench.py preset=quick devices=2 data_parallel=zero2
+    torchrun --standalone --nproc-per-node=2 recipes/bench.py preset=quick devices=2 data_parallel=fsdp2 precision=bf16-mixed
 
 Prints a markdown table and writes the JSON result to ``out`` (default: ``<run output dir>/bench.json``).
 """

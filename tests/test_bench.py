@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moc_lightning.bench import (
-    METHODS, BenchConfig, disk_bytes, markdown_table, run_bench, scaled_k, tensor_bytes,
+    METHODS, BenchConfig, _train_config, disk_bytes, markdown_table, run_bench, scaled_k, tensor_bytes,
 )
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from quick_bench import QUICK_BENCH, ROOT, BenchRun
@@ -120,6 +120,16 @@ def test_two_processes_measure_moc_beside_dcp_and_skip_what_cannot_save_the_mode
 def test_devices_must_match_the_processes_that_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"devices=2 but 1 process\(es\) run: launch with torchrun"):
         run_bench(BenchConfig(devices=2), tmp_path)
+
+
+def test_every_run_trains_at_the_configured_precision_which_the_mode_must_support() -> None:
+    """``precision`` reaches every method's Trainer (under ``fsdp2`` at ``bf16-mixed`` replay logs bf16 weights), and a
+    precision the mode does not train in is refused before anything runs."""
+    cfg = BenchConfig(data_parallel="fsdp2", precision="bf16-mixed", devices=2)
+    assert _train_config(cfg, cfg.steps).trainer.precision == "bf16-mixed"
+    assert BenchConfig().precision == "32-true"
+    with pytest.raises(ValueError, match=r"trainer.precision='bf16-true' is not supported with trainer.data_parallel"):
+        BenchConfig(data_parallel="fsdp2", precision="bf16-true")
 
 
 def test_config_rejects_modes_the_benchmark_cannot_checkpoint() -> None:

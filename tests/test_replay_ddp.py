@@ -127,6 +127,21 @@ def _fit(
     return moc
 
 
+def _logged_dtypes(root: Path, rank: int) -> set[str]:
+    """The dtypes of the frozen units' weights logged in ``rank``'s first stored window (the file's regions)."""
+    data = make_storage("filesystem", (root / "ckpt").as_uri()).get(window_object(rank, 0))
+    logged = WindowLog.from_bytes(data)[0].record.logged
+    return {str(tensor.dtype) for tensors in logged for key, tensor in tensors.items() if "/param/" in key}
+
+
+def _compute_dtype(precision: str, data_parallel: str) -> torch.dtype:
+    """The dtype the forward reads the weights in, which a window logs frozen units' weights in: bf16 where the weights
+    are bf16 (``bf16-true``) or FSDP2's ``MixedPrecisionPolicy`` all-gathers them in bf16 (``bf16-mixed`` under
+    ``fsdp2``/``hsdp``); fp32 otherwise (under DDP and ZeRO-2 ``bf16-mixed``'s autocast keeps some ops in fp32)."""
+    sharded_bf16 = precision == "bf16-mixed" and data_parallel in SHARDED_DATA_PARALLEL
+    return torch.bfloat16 if precision == "bf16-true" or sharded_bf16 else torch.float32
+
+
 def _runs(
     rank: int, world_size: int, root: str, ep: int, crash: int, fault: str, precision: str, data_parallel: str
 ) -> dict[str, Any]:
@@ -157,6 +172,7 @@ def _runs(
         "stored": resumed.stored,
         "final": resumed.states[MAX_STEPS],
         "memory": list(uninterrupted.window_memory.per_iteration),
+        "logged": _logged_dtypes(Path(root) / "straight", rank),
         "copied": uninterrupted.capture.copied_bytes[:WINDOW],
     }
 
@@ -198,7 +214,9 @@ def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state
 ) -> None:
     """``rank1_lost_its_newest_window``: the ranks agree on the window before the newest. With rank 1's node lost
     and rank 0's newest storage write lost, every rank still has the newest window (rank 0 in memory, rank 1 in
-    storage): they resume there, and rank 0 stores it before training."""
+    storage): they resume there, and rank 0 stores it before training. Frozen units' weights are logged in the dtype
+    the forward reads them in (:func:`_compute_dtype`; failed on fea7f32 under ``fsdp2`` at ``bf16-mixed``: fp32), and
+    the memory report counts them so."""
     lose_newest = fault == "rank1_lost_its_newest_window"
     crash = _crash_step(WINDOW + 1 if fault == "crash" else 2 * WINDOW)  # two windows before a lost one
     print(f"{fault}: {FAULTS[fault]}")
@@ -218,6 +236,7 @@ def test_ranks_replay_the_same_window_and_end_bitwise_on_the_uninterrupted_state
         assert report["source"] == ("memory" if from_memory else "storage")
         assert _differing(run["start"], run["straight"][resume_step]) == [], f"rank {rank} after the replay"
         assert _differing(run["final"], run["straight"][MAX_STEPS]) == [], f"rank {rank} at max_steps"
+        assert run["logged"] == {str(_compute_dtype(precision, data_parallel))}, f"rank {rank}'s logged weights"
         if data_parallel in SHARDED_DATA_PARALLEL:  # the memory report counts the pieces the captures copy
             assert run["memory"] == pytest.approx(run["copied"], rel=1e-3), f"rank {rank}'s memory report"
     logged = (tmp_path / "faulty" / "logs" / "metrics.csv").read_text()

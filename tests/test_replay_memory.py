@@ -11,9 +11,16 @@ import lightning as L
 import pytest
 from lightning_run import Recorder, fit, moc_config
 
+from trainee import TINY
+
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
+from moc_lightning.layout import build_layout
+from moc_lightning.models import ExpertParallelTopology, GPTMoE
+from moc_lightning.replay import offset_bytes
+from moc_lightning.replay_memory import window_memory, window_plan, window_sizes
 from moc_lightning.window_file import FOOTER
+from moc_lightning.zero import ZeroAdamW, partition_by_units
 
 WINDOW = 3
 
@@ -69,3 +76,25 @@ def test_replay_refuses_a_shared_memory_root_too_small_for_its_windows(
     assert "replay windows need about" in message and "2 window slots x 1 ranks x" in message
     assert f"checkpoint.replay.window={WINDOW}" in message
     assert recorder.start_step is None, "refused before training started"
+
+
+def test_under_zero2_a_rank_counts_the_optimizer_state_of_the_units_it_owns_only() -> None:
+    """Under ZeRO-2 a unit's optimizer state is on its owner only, so only the owner's captures copy it: the memory
+    report and ``window=auto`` (both from ``window_sizes(local=True)``) weigh this rank's bytes, while the schedule,
+    planned from whole units, stays the same on every holder. Rank 1 of 2, simulated in one process (the partition
+    needs no process group). Failed on fea7f32: every holder counted the owner's state, before the first step and
+    after it."""
+    topology = ExpertParallelTopology(world_size=2, rank=1)
+    model = GPTMoE(TINY, topology, seed=0)
+    partition = partition_by_units(build_layout(model, None), topology)
+    layout = build_layout(model, ZeroAdamW(model.parameters(), partition, lr=1e-2))
+    owners = layout.state_owners
+    assert set(owners.values()) == {0, 1}, "each rank owns some units"
+    whole, local = window_sizes(layout), window_sizes(layout, local=True)
+    for unit, owner in owners.items():
+        assert whole[unit].optimizer > 0, f"{unit.key}: the schedule weighs its owner's state on every holder"
+        assert local[unit].optimizer == (whole[unit].optimizer if owner == 1 else 0), unit.key
+    schedule, _ = window_plan(layout, WINDOW)
+    memory = window_memory(layout, WINDOW)
+    assert list(memory.per_iteration) == offset_bytes(local, schedule, WINDOW)
+    assert memory.window_bytes < sum(offset_bytes(whole, schedule, WINDOW)), "less than every unit's state"

@@ -1,0 +1,61 @@
+"""The dtype a forward reads each parameter in, from FSDP2's own per-module state: replay mode logs a frozen unit's
+weights in it (bf16 under a bf16 ``MixedPrecisionPolicy``, half the bytes of the fp32 shards) and sizes its windows
+so; a parameter under no such policy keeps its own dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from dist_utils import run_ranks
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from trainee import TINY
+
+from moc_lightning.compute_dtype import compute_dtypes
+from moc_lightning.layout import build_layout
+from moc_lightning.models import ExpertParallelTopology, GPTMoE
+from moc_lightning.models.sharded import data_parallel_meshes
+from moc_lightning.replay import WindowRecord, offset_bytes, window_schedule
+from moc_lightning.units import ExpertUnit
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+WINDOW = 4
+
+
+def _experts_in_bf16(rank: int, world_size: int) -> dict[str, Any]:
+    """The tiny model with its experts ``fully_shard``-ed under a bf16 policy and the rest under an fp32 one."""
+    model = GPTMoE(TINY, ExpertParallelTopology.from_process_group(1), seed=0)
+    dense, experts = data_parallel_meshes(world_size, world_size, 1, "cpu")
+    for layer in model.moe_layers():
+        fully_shard(list(layer.experts.values()), mesh=experts, mp_policy=BF16)
+    for block in model.blocks:
+        fully_shard(block, mesh=dense, mp_policy=MixedPrecisionPolicy())
+    fully_shard(model, mesh=dense, mp_policy=MixedPrecisionPolicy())
+    layout = build_layout(model, torch.optim.AdamW(model.parameters()))
+    schedule = window_schedule(layout.units, WINDOW)
+    record = WindowRecord(schedule, WINDOW)
+    copied = [record.capture(layout, t) for t in range(WINDOW)]
+    sizes = {unit: layout.unit_bytes(unit, local=True) for unit in layout.units}
+    return {
+        "dtypes": compute_dtypes(model),
+        "experts": sorted(name for unit in layout.expert_units for name in layout.param_names(unit)),
+        "logged": {key: tensor.dtype for logged in record.logged for key, tensor in logged.items()},
+        "copied": copied,
+        "planned": offset_bytes(sizes, schedule, WINDOW),
+        "sizes": [(size.weights, size.compute_weights, isinstance(unit, ExpertUnit)) for unit, size in sizes.items()],
+        "plain": compute_dtypes(GPTMoE(TINY, ExpertParallelTopology(), seed=0)),
+    }
+
+
+def test_weights_under_a_bf16_fsdp2_policy_are_logged_and_counted_in_bf16_others_in_their_own(tmp_path: Path) -> None:
+    """Failed on fea7f32: every frozen weight was logged in fp32, its shard's dtype."""
+    (run,) = run_ranks(_experts_in_bf16, 1, tmp_path)
+    assert run["dtypes"] == {name: torch.bfloat16 for name in run["experts"]}, "the experts' policy, not the others'"
+    assert run["plain"] == {}, "a model without fully_shard computes in its parameters' dtypes"
+    weights = {key: dtype for key, dtype in run["logged"].items() if "/param/" in key}
+    assert {dtype for key, dtype in weights.items() if key.startswith("expert")} == {torch.bfloat16}
+    assert {dtype for key, dtype in weights.items() if not key.startswith("expert")} == {torch.float32}
+    for weights_bytes, compute, is_expert in run["sizes"]:
+        assert compute == (weights_bytes // 2 if is_expert else weights_bytes)
+    assert run["copied"] == run["planned"], "the plan counts what the captures copy"
