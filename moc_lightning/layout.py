@@ -345,16 +345,7 @@ class Layout:
         tensors of ``values`` (keys of ``specs``) copied into it in one call; what they leave unwritten is zeros."""
         if self.optimizer is None:
             return
-        wanted: dict[str, dict[str, list[tuple[ParamSlot, str, TensorSpec]]]] = {}
-        for unit in (u for u in units if u in self.slots):
-            for slot in self.slots[unit]:
-                if slot.buffer:
-                    continue
-                states = wanted.setdefault(slot.param, {})
-                prefix = state_key(unit, slot.local_name, "")
-                for key, spec in specs.items():
-                    if key.startswith(prefix):
-                        states.setdefault(key[len(prefix) :], []).append((slot, key, spec))
+        wanted = self._state_entries(units, specs)
         matched = {key for states in wanted.values() for entries in states.values() for _, key, _ in entries}
         if stray := sorted(set(values) - matched):
             raise ValueError(f"optimizer state {stray[:5]} belongs to no parameter of the units restored; pass "
@@ -387,6 +378,23 @@ class Layout:
                 targets.update({key: piece(_take(fresh[state_name], s, param.shape)) for s, key in given})
             self.optimizer.state[param] = fresh
         _copy_all(targets, {key: values[key] for key in targets})
+
+    def _state_entries(
+        self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]
+    ) -> dict[str, dict[str, list[tuple[ParamSlot, str, TensorSpec]]]]:
+        """Per parameter of ``units`` (every one, an empty dict where ``specs`` has no state of it), per state name, the
+        ``(slot, key, spec)`` of each key of ``specs`` naming that state: several for a stacked parameter's experts."""
+        wanted: dict[str, dict[str, list[tuple[ParamSlot, str, TensorSpec]]]] = {}
+        for unit in (u for u in units if u in self.slots):
+            for slot in self.slots[unit]:
+                if slot.buffer:
+                    continue
+                states = wanted.setdefault(slot.param, {})
+                prefix = state_key(unit, slot.local_name, "")
+                for key, spec in specs.items():
+                    if key.startswith(prefix):
+                        states.setdefault(key[len(prefix) :], []).append((slot, key, spec))
+        return wanted
 
     def _state(self, param_name: str) -> dict[str, torch.Tensor]:
         if self.optimizer is None:

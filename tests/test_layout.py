@@ -378,6 +378,8 @@ def test_a_partly_restored_stacked_state_is_zero_where_nothing_was_restored() ->
     for e in (0, 2):
         assert bool((w1["exp_avg"][e] == 0).all()) and bool((w1["exp_avg_sq"][e] == 0).all()), e
     assert dict(model.named_parameters())["model.embed.weight"] not in optimizer.state, "not among the units"
+    with pytest.raises(ValueError, match=r"\['expert/L0/E2/optim/w1/exp_avg'.* belongs to no parameter of the units"):
+        layout.restore_optimizer_state([expert(0, 1)], {k: t for k, t in saved.items() if "/E2/" in k})
 
 
 def test_unit_kinds() -> None:
