@@ -38,7 +38,8 @@ its local experts as under EP, and a per-expert buffer of the layer, which every
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
 create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has
 received no token yet); a restore recreates exactly the state its source holds, from the stored shapes and
-dtypes (:meth:`Layout.reset_optimizer_state`), and never steps the optimizer to make some.
+dtypes (:meth:`Layout.reset_optimizer_state`) or, where the restored tensors are at hand, from them in one pass
+(:meth:`Layout.restore_optimizer_state`), and never steps the optimizer to make some.
 """
 
 from __future__ import annotations
@@ -316,7 +317,7 @@ class Layout:
                     continue
                 shape = self.params[slot.param].shape
                 for name, value in self._state(slot.param).items():
-                    if not _sliced(value, slot, shape):
+                    if not _sliced(value.shape, slot, shape):
                         shared[state_key(unit, slot.local_name, name)] = (slot.param, name)
         return shared
 
@@ -333,12 +334,7 @@ class Layout:
                 f"no live tensor for keys {missing[:5]}{' ...' if len(missing) > 5 else ''}; optimizer state "
                 "exists only after the first step (call reset_optimizer_state before loading)"
             )
-        wrong = [(k, list(t.shape), list(targets[k].shape)) for k, t in loaded.items() if t.shape != targets[k].shape]
-        if wrong:
-            raise ValueError(f"loaded tensors do not match the live shapes (key, loaded, live): {wrong[:5]}")
-        if loaded:  # one call for all rather than a dispatch per tensor (a restore copies thousands)
-            with torch.no_grad():
-                torch._foreach_copy_([targets[key] for key in loaded], list(loaded.values()))
+        _copy_all(targets, loaded)
 
     def state_keys(self, units: Iterable[Unit]) -> dict[Unit, set[str]]:
         """The optimizer-state keys (as :meth:`tensors` names them) each of ``units`` has now, without taking a view
@@ -363,11 +359,68 @@ class Layout:
         a DTensor parameter is a DTensor placed as the parameter is (what the optimizer itself creates), but for
         scalar states.
         """
+        self._create_state(units, specs, {})
+
+    def restore_optimizer_state(self, units: Iterable[Unit], states: Mapping[str, torch.Tensor]) -> None:
+        """Give the parameters of ``units`` exactly the optimizer state ``states`` holds (optimizer-state keys ->
+        this rank's pieces, as a snapshot or replay window holds them), created from those tensors.
+
+        As :meth:`reset_optimizer_state` from their shapes and dtypes, then loaded, but in one pass: a state tensor
+        ``states`` fills wholly is allocated uninitialised and written once by the copy, since a zero fill first
+        doubled the bytes a restore from memory moves (issue 14 item 7). One it fills in part (some experts of a
+        stacked parameter) is zeros elsewhere, so a slice restored later never shows uninitialised memory.
+        """
+        specs = {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in states.items()}
+        self._create_state(units, specs, states)
+
+    def _create_state(
+        self, units: Iterable[Unit], specs: Mapping[str, TensorSpec], values: Mapping[str, torch.Tensor]
+    ) -> None:
+        """New optimizer state of ``units``' parameters for ``specs`` (see :meth:`reset_optimizer_state`), with the
+        tensors of ``values`` (keys of ``specs``) copied into it in one call; what they leave unwritten is zeros."""
         if self.optimizer is None:
             return
-        chosen = [u for u in units if u in self.slots]
-        wanted: dict[str, dict[str, tuple[ParamSlot, TensorSpec]]] = {}
-        for unit in chosen:
+        wanted = self._state_entries(units, specs)
+        matched = {key for states in wanted.values() for entries in states.values() for _, key, _ in entries}
+        if stray := sorted(set(values) - matched):
+            raise ValueError(f"optimizer state {stray[:5]} belongs to no parameter of the units restored; pass "
+                             "their units too")
+        scalars = _scalar_state_names(self.params, wanted)
+        groups = {p: group for group in self.optimizer.param_groups for p in group["params"]}
+        targets: dict[str, torch.Tensor] = {}
+        for name, states in wanted.items():
+            param = self.params[name]
+            if not states or not self.keeps_state(name):
+                self.optimizer.state.pop(param, None)
+                continue
+            fresh = {}
+            for state_name, entries in states.items():
+                slot, _, (shape, dtype) = entries[-1]
+                scalar = len(shape) == 0 and state_name in scalars
+                if slot.index is not None and tuple(shape) == _slice_shape(slot, param.shape) and not scalar:
+                    shape = tuple(param.shape)  # an expert's slice of a stacked state
+                sliced = _sliced(shape, slot, param.shape)
+                given = [(s, key) for s, key, _ in entries if key in values]
+                if not sliced:
+                    given = given[-1:]  # held whole by each of its experts: the last one copied, as copy_in does
+                whole = len({s.index for s, _ in given}) == ((slot.view or param.shape)[0] if sliced else 1)
+                group = groups.get(param, {})
+                on_param = not scalar or group.get("capturable") or group.get("fused")
+                fresh[state_name] = _new_tensor(
+                    param if isinstance(param, DTensor) and not scalar else None,
+                    shape, dtype, param.device if on_param else torch.device("cpu"), uninitialised=whole,
+                )
+                targets.update({key: piece(_take(fresh[state_name], s, param.shape)) for s, key in given})
+            self.optimizer.state[param] = fresh
+        _copy_all(targets, {key: values[key] for key in targets})
+
+    def _state_entries(
+        self, units: Iterable[Unit], specs: Mapping[str, TensorSpec]
+    ) -> dict[str, dict[str, list[tuple[ParamSlot, str, TensorSpec]]]]:
+        """Per parameter of ``units`` (every one, an empty dict where ``specs`` has no state of it), per state name, the
+        ``(slot, key, spec)`` of each key of ``specs`` naming that state: several for a stacked parameter's experts."""
+        wanted: dict[str, dict[str, list[tuple[ParamSlot, str, TensorSpec]]]] = {}
+        for unit in (u for u in units if u in self.slots):
             for slot in self.slots[unit]:
                 if slot.buffer:
                     continue
@@ -375,26 +428,8 @@ class Layout:
                 prefix = state_key(unit, slot.local_name, "")
                 for key, spec in specs.items():
                     if key.startswith(prefix):
-                        states[key[len(prefix) :]] = (slot, spec)
-        scalars = _scalar_state_names(self.params, wanted)
-        groups = {p: group for group in self.optimizer.param_groups for p in group["params"]}
-        for name, states in wanted.items():
-            param = self.params[name]
-            if not states or not self.keeps_state(name):
-                self.optimizer.state.pop(param, None)
-                continue
-            fresh = {}
-            for state_name, (slot, (shape, dtype)) in states.items():
-                scalar = len(shape) == 0 and state_name in scalars
-                if isinstance(param, DTensor) and not scalar:
-                    fresh[state_name] = torch.zeros_like(param, dtype=dtype)
-                    continue
-                if slot.index is not None and tuple(shape) == _slice_shape(slot, param.shape) and not scalar:
-                    shape = tuple(param.shape)  # an expert's slice of a stacked state
-                group = groups.get(param, {})
-                on_param = not scalar or group.get("capturable") or group.get("fused")
-                fresh[state_name] = torch.zeros(shape, dtype=dtype, device=param.device if on_param else "cpu")
-            self.optimizer.state[param] = fresh
+                        states.setdefault(key[len(prefix) :], []).append((slot, key, spec))
+        return wanted
 
     def _state(self, param_name: str) -> dict[str, torch.Tensor]:
         if self.optimizer is None:
@@ -417,7 +452,7 @@ def _unit_of(key: str, slots: Mapping[Unit, tuple[ParamSlot, ...]]) -> Unit:
 
 
 def _scalar_state_names(
-    params: Mapping[str, nn.Parameter], wanted: Mapping[str, Mapping[str, tuple[ParamSlot, TensorSpec]]]
+    params: Mapping[str, nn.Parameter], wanted: Mapping[str, Mapping[str, Sequence[tuple[ParamSlot, str, TensorSpec]]]]
 ) -> set[str]:
     """Names of per-parameter *scalar* optimizer states (Adam's ``step``): 0-dim for a parameter that is not.
 
@@ -426,10 +461,33 @@ def _scalar_state_names(
     """
     names = set()
     for name, states in wanted.items():
-        for state_name, (slot, (shape, _)) in states.items():
+        for state_name, entries in states.items():
+            slot, _, (shape, _) = entries[-1]
             if len(shape) == 0 and len(_slice_shape(slot, params[name].shape)) > 0:
                 names.add(state_name)
     return names
+
+
+def _new_tensor(
+    like: DTensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, uninitialised: bool
+) -> torch.Tensor:
+    """A new state tensor: a DTensor placed as ``like`` (what the optimizer itself creates for a DTensor parameter)
+    or a plain one of ``shape``; ``uninitialised`` only where a copy then writes every element (``torch.empty``),
+    else zeros."""
+    if like is not None:
+        return (torch.empty_like if uninitialised else torch.zeros_like)(like, dtype=dtype)
+    return (torch.empty if uninitialised else torch.zeros)(shape, dtype=dtype, device=device)
+
+
+def _copy_all(targets: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> None:
+    """Copy each of ``loaded`` into the tensor of ``targets`` under its key, after checking their shapes agree: one
+    call for all rather than a dispatch per tensor (a restore copies thousands)."""
+    wrong = [(k, list(t.shape), list(targets[k].shape)) for k, t in loaded.items() if t.shape != targets[k].shape]
+    if wrong:
+        raise ValueError(f"loaded tensors do not match the live shapes (key, loaded, live): {wrong[:5]}")
+    if loaded:
+        with torch.no_grad():
+            torch._foreach_copy_([targets[key] for key in loaded], list(loaded.values()))
 
 
 def _slice_shape(slot: ParamSlot, param_shape: torch.Size) -> tuple[int, ...]:
@@ -439,16 +497,16 @@ def _slice_shape(slot: ParamSlot, param_shape: torch.Size) -> tuple[int, ...]:
     return tuple(slot.view or param_shape)[1:]
 
 
-def _sliced(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> bool:
-    """Whether the unit holds a slice of ``tensor``: a stacked tensor shaped like its parameter. State that is
-    not (a scalar step) is shared whole by the parameter's experts."""
-    return slot.index is not None and tensor.dim() > 0 and tensor.shape[0] == param_shape[0]
+def _sliced(shape: Sequence[int], slot: ParamSlot, param_shape: torch.Size) -> bool:
+    """Whether the unit holds a slice of a tensor of ``shape``: a stacked tensor shaped like its parameter. State
+    that is not (a scalar step) is shared whole by the parameter's experts."""
+    return slot.index is not None and len(shape) > 0 and shape[0] == param_shape[0]
 
 
 def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> torch.Tensor:
     """The expert's slice of a stacked tensor (through its ``[E, I, ...]`` view when flattened), or the whole
     tensor when it is not sliced (see :func:`_sliced`)."""
-    if not _sliced(tensor, slot, param_shape):
+    if not _sliced(tensor.shape, slot, param_shape):
         return tensor
     tensor = piece(tensor)  # a stacked DTensor's slice indices count in this rank's piece (:func:`_local_experts`)
     return (tensor.view(-1, *slot.view[1:]) if slot.view else tensor)[slot.index]

@@ -64,7 +64,7 @@ from typing import Protocol
 
 import torch
 
-from moc_lightning.layout import Layout, TensorSpec, UnitBytes, is_state_key
+from moc_lightning.layout import Layout, UnitBytes, is_state_key
 from moc_lightning.units import ExpertUnit, Unit
 from moc_lightning.window_file import FULL, BufferKey
 
@@ -231,24 +231,20 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def restore_units(layout: Layout, states: Mapping[Unit, Mapping[str, torch.Tensor]]) -> None:
     """Put the live weights, optimizer state and buffers of each unit of ``states`` at its state (one of
-    :attr:`WindowRecord.full`): one pass over the live tensors and one copy for all of them, since a restore puts
-    hundreds of units in place.
+    :attr:`WindowRecord.full`): one pass over the live tensors and one copy call for the optimizer state it creates
+    and one for the rest, since a restore puts hundreds of units in place.
 
-    A unit's optimizer state is recreated first when the live one has other entries (a fresh optimizer has none;
-    an expert that had no token when captured must have none), and only then: recreating a stacked
+    A unit's optimizer state is recreated when the live one has other entries (a fresh optimizer has none;
+    an expert that had no token when captured must have none), from the captured tensors
+    (:meth:`Layout.restore_optimizer_state`: allocated and copied once), and only then: recreating a stacked
     parameter's state zeroes its other experts' slices, which may already be restored.
     """
     live = layout.state_keys(states)
-    saved: dict[str, TensorSpec] = {}
-    stale = []
-    for unit, state in states.items():
-        specs = {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in state.items() if is_state_key(key)}
-        if set(specs) != live[unit]:
-            stale.append(unit)
-        saved.update(specs)
+    stale = [unit for unit, state in states.items() if {key for key in state if is_state_key(key)} != live[unit]]
+    created = {key: tensor for unit in stale for key, tensor in states[unit].items() if is_state_key(key)}
     if stale:
-        layout.reset_optimizer_state(stale, saved)
-    layout.copy_in({key: tensor for state in states.values() for key, tensor in state.items()})
+        layout.restore_optimizer_state(stale, created)
+    layout.copy_in({key: tensor for state in states.values() for key, tensor in state.items() if key not in created})
 
 
 class Replay:

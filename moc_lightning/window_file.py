@@ -19,6 +19,7 @@ first window a capture touches no new page.
 
 from __future__ import annotations
 
+import _pickle
 import io
 import mmap
 import os
@@ -159,8 +160,10 @@ def read_buffer(data: bytes | mmap.mmap) -> dict[str, Any]:
     offset, length, magic = FOOTER.unpack(view[-FOOTER.size :])
     if magic != MAGIC or offset + length + FOOTER.size != len(view):
         raise ValueError(f"not a replay window file (footer {magic!r}, tail at {offset}+{length} of {len(view)} bytes)")
-    # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it
-    tail = torch.load(io.BytesIO(view[offset : offset + length]), weights_only=False)
+    # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it. C's unpickler,
+    # not pickle.Unpickler: Lightning swaps in a pure-Python one while it loads a ckpt_path (pl_legacy_patch), where a
+    # resume opens its window, and it read the tail 2-4x slower (a restore's speed of light, issue 14 item 7)
+    tail = torch.load(io.BytesIO(view[offset : offset + length]), weights_only=False, pickle_module=_pickle)
     with warnings.catch_warnings():  # a read-only mapping: the views are only ever copied from
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return _viewed(tail, data, offset)

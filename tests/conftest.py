@@ -41,3 +41,18 @@ def _release(version: str) -> tuple[int, ...]:
 def quick_bench(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
     """The quick benchmark, run once per session: the bench test checks it, the notebook test plots it."""
     return run_quick_bench(tmp_path_factory.mktemp("quick_bench"))
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty``/``empty_like`` return memory filled with NaN (integers: -1, booleans: True), as uninitialised
+    memory may be: a tensor allocated uninitialised and not then written wholly shows it, whatever the allocator reuses."""
+
+    def poison(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            return tensor.fill_(float("nan"))
+        return tensor.fill_(True if tensor.dtype == torch.bool else -1)
+
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, _real=real, **kwargs: poison(_real(*args, **kwargs)))

@@ -326,6 +326,62 @@ def test_reset_optimizer_state_creates_exactly_the_stored_state_without_stepping
         torch.testing.assert_close(p.detach(), before[name])
 
 
+def _state_tensors(layout: Layout) -> dict[str, torch.Tensor]:
+    return {key: tensor for key, tensor in layout.tensors().items() if "/optim/" in key}
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_restore_optimizer_state_creates_the_restored_tensors_bitwise() -> None:
+    """A fresh optimizer's state created from restored tensors is exactly them (allocated uninitialised, every byte
+    then copied): stacked state whole from its experts' slices, the shared scalar step on the host, a parameter the
+    restore holds no state for without state, weights untouched."""
+    names = {"m.0.attn.w": (3, 2), "m.0.moe.experts.w1": (2, 4, 3), "m.0.moe.experts.b": (2,), "m.0.mlp.w": (2,)}
+    source_model = model_from_names(names)
+    source = stepped(source_model)
+    source.state.pop(dict(source_model.named_parameters())["m.0.mlp.w"])  # e.g. frozen: no state
+    saved = {k: t.clone() for k, t in _state_tensors(build_layout(source_model, source)).items()}
+
+    model = model_from_names(names)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a restarted process: no state yet
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = build_layout(model, optimizer)
+    layout.restore_optimizer_state(layout.units, saved)
+
+    params = dict(model.named_parameters())
+    assert params["m.0.mlp.w"] not in optimizer.state
+    w1 = optimizer.state[params["m.0.moe.experts.w1"]]
+    assert w1["exp_avg"].shape == (2, 4, 3) and w1["step"].shape == () and w1["step"].device.type == "cpu"
+    got = _state_tensors(layout)
+    assert sorted(got) == sorted(saved)
+    for key, value in saved.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_a_partly_restored_stacked_state_is_zero_where_nothing_was_restored() -> None:
+    """Restoring one expert of a stacked parameter creates the parameter's state whole: the other experts' slices
+    are zeros (as :meth:`Layout.reset_optimizer_state` makes them), never uninitialised memory."""
+    source_model = stacked_model(router_outputs=3)
+    saved = _state_tensors(build_layout(source_model, stepped(source_model, torch.optim.Adam)))
+    restored = {k: t for k, t in saved.items() if k.startswith(expert(0, 1).key + "/")}
+
+    model = stacked_model(router_outputs=3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    layout = build_layout(model, optimizer)
+    layout.restore_optimizer_state([expert(0, 1)], restored)
+
+    w1 = optimizer.state[dict(model.named_parameters())["model.layers.0.mlp.experts.w1"]]
+    assert torch.equal(w1["exp_avg"][1], restored["expert/L0/E1/optim/w1/exp_avg"])
+    assert torch.equal(w1["step"], restored["expert/L0/E1/optim/w1/step"])
+    for e in (0, 2):
+        assert bool((w1["exp_avg"][e] == 0).all()) and bool((w1["exp_avg_sq"][e] == 0).all()), e
+    assert dict(model.named_parameters())["model.embed.weight"] not in optimizer.state, "not among the units"
+    with pytest.raises(ValueError, match=r"\['expert/L0/E2/optim/w1/exp_avg'.* belongs to no parameter of the units"):
+        layout.restore_optimizer_state([expert(0, 1)], {k: t for k, t in saved.items() if "/E2/" in k})
+
+
 def test_unit_kinds() -> None:
     layout = build_layout(model_from_names(reference_names(experts=(0,))), None)
     assert all(isinstance(u, ExpertUnit) for u in layout.expert_units)

@@ -142,6 +142,51 @@ def test_restore_removes_optimizer_state_the_capture_did_not_have() -> None:
     assert weight not in run.optimizer.state
 
 
+def test_a_restore_creates_the_optimizer_state_from_the_captures_without_zero_filling_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted process restores every unit into an optimizer without state: the state is allocated and the
+    captured bytes copied into it once, with no zero fill before (it doubled a restore's bytes moved, issue 14 item
+    7), and it is the captured state bitwise."""
+    run = Run(MODELS["buffered"], seed=0)
+    run.train(0)
+    record = WindowRecord({u: 0 for u in run.layout.units}, 1)
+    record.capture(run.layout, 0)
+    fresh = Run(MODELS["buffered"], seed=1)
+    zero_filled: list[int] = []
+    for name in ("zeros", "zeros_like"):
+        real = getattr(torch, name)
+
+        def counted(*args: object, _real: Callable[..., torch.Tensor] = real, **kwargs: object) -> torch.Tensor:
+            tensor = _real(*args, **kwargs)
+            zero_filled.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        monkeypatch.setattr(torch, name, counted)
+    restore_units(fresh.layout, record.full)
+    assert sum(zero_filled) == 0
+    assert_same_state(fresh.state(), run.state())
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+def test_restoring_some_experts_of_a_stacked_parameter_exposes_no_uninitialised_memory() -> None:
+    """The units active at a window's first iteration, restored into a fresh optimizer, include some experts of
+    the stacked layer but not all: its state is created whole, and the slices of the experts not yet restored are
+    zeros until their own restore, whatever memory the allocator hands out."""
+    window = 2
+    _, records, run = _train_with_captures("buffered", window, window)
+    schedule = records[0].schedule
+    stacked = [u for u in run.layout.expert_units if u.layer == 1]
+    assert {schedule[u] for u in stacked} == {0, 1}, "the stacked layer's experts are spread over both iterations"
+    fresh = Run(MODELS["buffered"], seed=1)
+    restore_units(fresh.layout, {u: records[0].full[u] for u, t in schedule.items() if t == 0})
+    weight = fresh.layout.params[fresh.layout.param_names(stacked[0])[0]]
+    state = fresh.optimizer.state[weight]
+    later = [u.expert for u in stacked if schedule[u] == 1]
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())
+    assert all(bool((state[name][later] == 0).all()) for name in ("exp_avg", "exp_avg_sq"))
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_restoring_the_captures_without_replay_is_not_the_fault_free_state(name: str) -> None:
     window = 3
