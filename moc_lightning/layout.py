@@ -403,7 +403,7 @@ class Layout:
                 given = [(s, key) for s, key, _ in entries if key in values]
                 if not sliced:
                     given = given[-1:]  # held whole by each of its experts: the last one copied, as copy_in does
-                whole = len({s.index for s, _ in given}) == ((slot.view or param.shape)[0] if sliced else 1)
+                whole = len({s.index for s, _ in given}) == (_experts_held(param, slot) if sliced else 1)
                 group = groups.get(param, {})
                 on_param = not scalar or group.get("capturable") or group.get("fused")
                 fresh[state_name] = _new_tensor(
@@ -488,6 +488,12 @@ def _copy_all(targets: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Te
     if loaded:
         with torch.no_grad():
             torch._foreach_copy_([targets[key] for key in loaded], list(loaded.values()))
+
+
+def _experts_held(param: torch.Tensor, slot: ParamSlot) -> int:
+    """How many experts' slices of stacked parameter ``param`` this rank holds: all of them, or a stacked DTensor's
+    local piece's (:func:`_local_experts`)."""
+    return piece(param).shape[0] // (slot.view[1] if slot.view else 1)
 
 
 def _slice_shape(slot: ParamSlot, param_shape: torch.Size) -> tuple[int, ...]:
