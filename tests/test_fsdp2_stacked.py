@@ -6,7 +6,9 @@ MoC checkpoints as the experts they are, nothing gathered.
 The oracle is this file's own, not MoC's layout: every parameter's and optimizer tensor's local piece by torch's names
 after every step, and the tokens each expert received, from hooks on the routers (:func:`titan_route`). After a crash
 and a resume, each row of a stacked tensor must be what it was at the step MoC says its expert came from, every other
-tensor what it was at the resume step, and PLT the hand count of eq. 7."""
+tensor what it was at the resume step, and PLT the hand count of eq. 7. The per-expert ``expert_bias`` buffer, which
+every rank holds whole, belongs to the experts (DESIGN.md: "a per-expert buffer belongs to its expert"): its entry ``e``
+is what it was at the step expert ``e`` came from, on every rank."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from moc_lightning.layout import build_layout
 VOCAB, SEQ, BATCH, N = 64, 16, 4, 8
 CRASH_AFTER = 7
 EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.w\d$")
+EXPERT_BIAS = re.compile(r"layers\.(\d+)\.moe\.expert_bias$")
 
 pytestmark = pytest.mark.xdist_group("fsdp2_stacked")
 
@@ -192,6 +195,11 @@ def test_stacked_dtensor_experts_recover_each_row_from_its_experts_source_step(
         before, restored = got["first"], got["restored"]
         assert restored.keys() == before[resume].keys()
         for name, tensor in restored.items():
+            if bias := EXPERT_BIAS.match(name):  # every rank holds it whole; entry e belongs to expert e
+                for e in range(N):
+                    step = experts[f"expert/L{bias[1]}/E{e}"]
+                    assert torch.equal(tensor[e], before[step][name][e]), (rank, name, e, step)
+                continue
             m = EXPERT.match(name.split("/")[0])
             if m is None:
                 assert torch.equal(tensor, before[resume][name]), (rank, name)
@@ -225,13 +233,15 @@ def _joined(ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     }
 
 
-def test_stacked_dtensor_experts_reshard_from_2_to_4_ranks_and_consolidate(tmp_path: Path) -> None:
-    """Two FSDP2 ranks' pieces (4 whole experts of 8 per rank) -> four ranks (2 each): the resume starts from the
-    tensors the two ranks held, bitwise, joined along dim 0; ``moc-consolidate`` writes the same weights into the
-    dense model's state dict."""
+def test_stacked_dtensor_experts_reshard_from_2_to_4_ranks_and_1_process_and_consolidate(tmp_path: Path) -> None:
+    """Two FSDP2 ranks' pieces (4 whole experts of 8 per rank) -> four ranks (2 each), and -> one process without
+    ``ModelParallelStrategy``: each resume starts from the tensors the two ranks held, bitwise, joined along dim 0, and
+    every rank holds the whole ``expert_bias`` (each rank loads its experts' entries); ``moc-consolidate`` writes the
+    same weights into the dense model's state dict."""
     trained = run_ranks(_train, 2, tmp_path, str(tmp_path), init_process_group=False)
     assert all(torch.equal(r["layers.0.moe.expert_bias"], trained[0]["layers.0.moe.expert_bias"]) for r in trained)
     whole = _joined(trained)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "one" / "ckpt")  # the 2-rank checkpoint, before any resume
 
     consolidate((tmp_path / "ckpt").as_uri(), tmp_path / "dense.safetensors", "safetensors", progress=False)
     dense = load_file(tmp_path / "dense.safetensors")
@@ -241,12 +251,16 @@ def test_stacked_dtensor_experts_reshard_from_2_to_4_ranks_and_consolidate(tmp_p
         assert torch.equal(tensor, model[name.removeprefix("model.")]), name
 
     shutil.rmtree(tmp_path / "shm")  # other nodes: the slots hold pieces of a world of 2
-    resumed = run_ranks(_resume, 4, tmp_path / "four", str(tmp_path), init_process_group=False)
-    assert {r["resume"] for r in resumed} == {4}
-    start = _joined([r["start"] for r in resumed])
-    assert start.keys() == whole.keys()
-    for name, tensor in whole.items():
-        assert torch.equal(start[name], tensor), name
+    for world, root in ((4, tmp_path), (1, tmp_path / "one")):
+        resumed = run_ranks(_resume, world, root / f"world{world}", str(root), init_process_group=False)
+        assert {r["resume"] for r in resumed} == {4}
+        for r in resumed:
+            for name in ("layers.0.moe.expert_bias", "layers.1.moe.expert_bias"):
+                assert torch.equal(r["start"][name], whole[name]), (world, name)
+        start = _joined([r["start"] for r in resumed])
+        assert start.keys() == whole.keys()
+        for name, tensor in whole.items():
+            assert torch.equal(start[name], tensor), (world, name)
 
 
 class StatefulTitan(ShardedTitan):
