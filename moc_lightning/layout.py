@@ -5,9 +5,12 @@ Every named parameter belongs to exactly one unit, and so does its per-parameter
 wrong 14% of a checkpoint, since expert optimizer state is its bulk. So does every persistent buffer (those
 in ``state_dict()``: norm statistics, a router's load-balancing bias): a buffer inside an expert belongs to
 that expert; a stacked buffer with leading dim E held by the MoE layer itself or its ``experts`` module
-(torchtitan's ``expert_bias``) is sliced like a stacked parameter; any other buffer belongs to a dense unit
-by the same rule as a parameter. Under expert parallelism a layer buffer whose leading dim is not the number
-of local experts (a router bias over all N experts, replicated on every rank) is dense.
+(torchtitan's ``expert_bias``) is sliced like a stacked parameter, entry ``e`` to expert ``e``; any other buffer
+belongs to a dense unit by the same rule as a parameter. A per-expert buffer of all N experts that a rank holds whole
+while holding only some of the experts (under expert parallelism, or stacked DTensor experts: torchtitan's
+``expert_bias``, kept equal on every rank) gives the rank's units their own entries only, so its keys are the same
+in every world and mode; after a restore the ranks share the entries (:meth:`Layout.share_expert_entries`), so each
+rank's whole buffer again holds every expert's entry at that expert's source step.
 
 Experts are found by regular expressions over parameter names. A pattern is matched at the start of the
 name (``re.match``) and has a named group ``layer`` (the MoE layer's module prefix) and, for one module per
@@ -33,7 +36,8 @@ interchangeable; :meth:`Layout.tensors` hands out the DTensors (what DCP writes 
 :meth:`Layout.pieces` this rank's local shards of them (what a snapshot copies). A stacked ``[E, ...]`` DTensor sharded
 along the expert dim (torchtitan's experts under ``fully_shard``) holds whole experts on each rank: the units are those
 experts, their tensors slices of the local piece (plain tensors: nobody else holds them), so the rank's experts are
-its local experts as under EP, and a per-expert buffer of the layer, which every rank holds whole, is dense.
+its local experts as under EP, and a per-expert buffer of the layer, which every rank holds whole, gives them their
+entries, as under EP.
 
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
 create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP places pieces by
@@ -335,6 +340,41 @@ class Layout:
                 "exists only after the first step (call reset_optimizer_state before loading)"
             )
         _copy_all(targets, loaded)
+
+    @cached_property
+    def partly_held_buffers(self) -> dict[str, tuple[int, ...]]:
+        """Per-expert buffers (``[N]``, held by the MoE layer: torchtitan's ``expert_bias``) of which this rank's units
+        own only some entries, those of its local experts (under EP, or stacked DTensor experts), though it holds
+        the buffer whole: buffer name -> the entries its units own. :meth:`share_expert_entries` fills the others."""
+        owned: dict[str, list[int]] = {}
+        for unit_slots in self.slots.values():
+            for slot in unit_slots:
+                if slot.buffer and slot.index is not None:
+                    owned.setdefault(slot.param, []).append(slot.index)
+        return {
+            name: tuple(sorted(entries)) for name, entries in owned.items() if len(entries) < self.buffers[name].shape[0]
+        }
+
+    def share_expert_entries(self, group: dist.ProcessGroup | None = None) -> None:
+        """After a restore: every rank's per-expert buffers take each entry from a rank whose unit owns it (collective
+        over ``group``, every rank alike; nothing to do where each rank owns every entry it holds).
+
+        A restore puts a unit's entry in place only on the ranks that hold the unit, each from the step the unit
+        came from; the other ranks hold the whole buffer too (the forward reads all of it) and must end with the same
+        values, or the ranks would route tokens differently."""
+        partial = self.partly_held_buffers
+        if not partial:
+            return
+        mine = {name: {e: self.buffers[name][e].detach().cpu().clone() for e in owned} for name, owned in partial.items()}
+        everyone: list[dict[str, dict[int, torch.Tensor]] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        with torch.no_grad():
+            for name, owned in partial.items():
+                buffer = self.buffers[name]
+                for theirs in everyone:
+                    for e, value in theirs[name].items():
+                        if e not in owned:
+                            buffer[e].copy_(value)
 
     def state_keys(self, units: Iterable[Unit]) -> dict[Unit, set[str]]:
         """The optimizer-state keys (as :meth:`tensors` names them) each of ``units`` has now, without taking a view
@@ -704,7 +744,12 @@ def _buffer_slots(
         return [(unit, ParamSlot(name, m.local_name, buffer=True))]
     if layer is None:  # held by the MoE layer module itself?
         layer = next((layer for layer in moe_layers if name.rpartition(".")[0] == layer.prefix), None)
-    if layer is not None and buffer.dim() > 0 and buffer.shape[0] == len(layer.local_experts):
+    if layer is not None and buffer.dim() > 0 and buffer.shape[0] == layer.num_experts:  # entry e: expert e's
+        local_name = name.rpartition(".")[2]
+        return [
+            (ExpertUnit(layer.index, e), ParamSlot(name, local_name, index=e, buffer=True)) for e in layer.local_experts
+        ]
+    if layer is not None and buffer.dim() > 0 and buffer.shape[0] == len(layer.local_experts):  # the local experts'
         local_name = name.rpartition(".")[2]
         offset = _offset(expert_offset, layer.prefix)
         return [

@@ -49,6 +49,10 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
   is stepped by its rank alone (HSDP's replicas alike, on the same gradient). A frozen unit's gradient, reduce-scattered
   by the backward as the fault-free iteration did, is dropped from its sharded parameter as under DDP. The schedule is
   planned from whole units' sizes (a DTensor's global size), so every holder of a unit follows the same ``t_u``.
+- **A per-expert buffer every rank holds whole** (torchtitan's ``expert_bias`` under EP or stacked DTensor experts)
+  gets a rank's own experts' entries from its restores and captures; the ranks share the entries after every restore
+  and every copy of logged weights (:meth:`Layout.share_expert_entries`), so each rank's forward reads the whole
+  buffer as the fault-free iteration did.
 - Gradients are set to ``None`` before each replayed iteration and after the replay, as
   ``zero_grad(set_to_none=True)`` does: the fault-free training loop must do the same, or a parameter
   without gradient in some iteration (an expert that got no token) would be stepped on a zero gradient in
@@ -283,6 +287,7 @@ class Replay:
         self._restore(self._active(i - 1))
         start = time.perf_counter()
         self.layout.copy_in(self.record.logged[i - 1])
+        self.layout.share_expert_entries()
         self.restore_seconds += time.perf_counter() - start
         self.layout.optimizer.zero_grad(set_to_none=True)
 
@@ -295,6 +300,7 @@ class Replay:
     def finish(self) -> None:
         """Restore the units active at the window's last iteration: every unit is now at its state after it."""
         self._restore(self._active(self.record.window - 1))
+        self.layout.share_expert_entries()
         self.layout.optimizer.zero_grad(set_to_none=True)
 
     def _active(self, t: int) -> list[Unit]:

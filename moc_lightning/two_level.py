@@ -503,6 +503,7 @@ class TwoLevelCheckpointer:
         self._restore_from_memory(plan, by_slot, in_memory, donors, stale)
         self.faults.at("recovery", plan.resume_step)
         pec.load_from_storage(stored, stale)
+        pec.layout.share_expert_entries(pec.process_group)
         steps = {key: src.step for key, src in plan.sources.items()}
         load = pec.account_recovery(plan.resume_step, pec.stalest_parts(steps))
         self._drop_slots_after(plan.resume_step, metas)
