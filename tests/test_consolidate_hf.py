@@ -84,6 +84,20 @@ def _train(tmp_path: Path, cfg: HFModelConfig, steps: int, **options: Any) -> Tr
     return Trained(module, config.storage.url, tmp_path)
 
 
+def _from_pretrained(path: Path) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path)``, each tensor then copied into memory of its own.
+
+    ``from_pretrained`` keeps the tensors in the safetensors file's mapping, where they lie wherever the header's
+    length puts them (24 bytes past a 64-byte boundary here), and on an AVX-512 host torch's kernels round
+    unaligned inputs differently (logits 3e-8 apart, from bitwise-equal weights). A fresh allocation is aligned like
+    the live model's, so the logits compare bit for bit."""
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
 @torch.no_grad()
 def _logits(model: PreTrainedModel) -> torch.Tensor:
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -106,7 +120,7 @@ def test_hf_directory_loads_with_from_pretrained_and_gives_the_live_logits(deeps
     assert len(set(index["weight_map"].values())) > 1, "sharded at 40 KB"
     assert json.loads((out / CONFIG).read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
 
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded = _from_pretrained(out)
     assert type(loaded) is type(live)
     assert torch.equal(loaded.get_buffer(BIAS), live.get_buffer(BIAS))
     assert torch.equal(_logits(loaded), _logits(live))
@@ -156,7 +170,7 @@ def test_experts_from_older_persists_give_the_recovered_model(tmp_path: Path) ->
     cpu_trainer(tmp_path / "run", 8, [moc]).fit(recovered, datamodule=data, ckpt_path=moc.resume_target())
     assert moc.recovery is not None and moc.recovery.resume_step == 8
 
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    loaded = _from_pretrained(tmp_path / "hf")
     assert torch.equal(_logits(loaded), _logits(recovered.model))
     assert not torch.equal(_logits(loaded), _logits(trained.module.model)), "older experts: not the live model"
 
@@ -201,7 +215,7 @@ def test_each_family_consolidates_to_its_own_shapes_and_values(name: str, tmp_pa
         assert dense["state_dict"]["model.layers.0.moe.expert_bias"].shape == (N_EXPERTS,)
         return
     main([config.storage.url, "--out", str(tmp_path / "hf"), "--format", "hf"])
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    loaded = _from_pretrained(tmp_path / "hf")
     assert type(loaded) is type(module.model)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
