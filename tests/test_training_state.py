@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from buffered_model import N, BufferedMoE, assert_same_state, full_state, optimizer_of, train
+from torch import nn
+from buffered_model import N, BufferedMoE, StackedMoE, assert_same_state, full_state, optimizer_of, train
 from dist_utils import run_ranks
 
 from moc_lightning.checkpointer import PECCheckpointer
@@ -156,3 +157,35 @@ def test_trainer_state_comes_back_per_rank(tmp_path: Path, capfd: pytest.Capture
     assert results[1]["node_lost"][:2] == (4, {"rank": 0}), "rank 1 falls back to the lowest rank's state"
     out = capfd.readouterr().out
     assert out.count("rank 1: its own training state of step 4 is lost") == 1, out
+
+
+def _ep_bias_layer(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``r`` of 2 holds stacked experts ``[2r, 2r + 2)`` of a layer and the layer's whole ``[N]`` bias, its entries
+    set to ``100 * r + e`` (each rank's copy of the others' entries wrong), then shares the entries."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"moe": StackedMoE()})
+    local = N // world_size
+    model["moe"].experts.w = nn.Parameter(model["moe"].experts.w[rank * local : (rank + 1) * local].clone())
+    layout = build_layout(model, None, expert_offset=rank * local, num_experts=N, expert_parallel=world_size)
+    with torch.no_grad():
+        model["moe"].expert_bias.copy_(100.0 * rank + torch.arange(N))
+    keys = sorted(k for k in layout.tensors() if "/buffer/" in k)
+    partly = dict(layout.partly_held_buffers)
+    layout.share_expert_entries()
+    return {"keys": keys, "partly": partly, "bias": model["moe"].expert_bias.clone()}
+
+
+def test_under_ep_a_layer_bias_of_every_expert_gives_each_rank_its_experts_entries_and_the_ranks_share_them(
+    tmp_path: Path,
+) -> None:
+    """Keys as in one process (entry ``e`` is expert ``e``'s), whatever rank holds the expert; after the exchange every
+    rank's whole buffer holds each entry as its expert's rank has it."""
+    ranks = run_ranks(_ep_bias_layer, 2, tmp_path)
+    one_process = build_layout(nn.ModuleDict({"moe": StackedMoE()}), None)
+    assert sorted(k for r in ranks for k in r["keys"]) == sorted(k for k in one_process.tensors() if "/buffer/" in k)
+    expected = torch.tensor([100.0 * (e // 2) + e for e in range(N)])
+    for rank, got in enumerate(ranks):
+        assert got["keys"] == [f"expert/L0/E{e}/buffer/expert_bias" for e in (2 * rank, 2 * rank + 1)]
+        assert got["partly"] == {"moe.expert_bias": (2 * rank, 2 * rank + 1)}
+        assert torch.equal(got["bias"], expected), rank
+    assert one_process.partly_held_buffers == {}, "one process owns every entry: nothing to share"
