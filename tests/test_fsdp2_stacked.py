@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_run import Crash, moc_config
-from titan_moe import TitanMoE
+from titan_moe import TitanMoE, titan_route
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -77,12 +77,6 @@ class ShardedTitan(L.LightningModule):
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         tokens = torch.randint(2, VOCAB, (BATCH * 64, SEQ), generator=torch.Generator().manual_seed(1))
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=BATCH)
-
-
-def titan_route(router: nn.Module, args: tuple[Any, ...], output: Any) -> torch.Tensor:
-    """torchtitan's routing: the expert bias shifts the sigmoid scores the top-k is taken of."""
-    x, expert_bias = args
-    return (torch.sigmoid(router.gate(x).float()) + expert_bias).topk(router.top_k, dim=-1).indices
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

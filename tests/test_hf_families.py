@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 from lightning_run import cpu_trainer, moc_config
-from titan_moe import TitanMoE
+from titan_moe import TitanMoE, titan_route
 from torch import nn
 
 from moc_lightning.callback import MoCCheckpoint
@@ -60,12 +60,6 @@ def deepseek_v3_route(router: nn.Module, args: tuple[Any, ...], output: Any) -> 
     allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(1, best_groups, True)
     masked = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(scores.shape[0], -1)
     return masked.topk(router.top_k, dim=-1).indices
-
-
-def titan_route(router: nn.Module, args: tuple[Any, ...], output: Any) -> torch.Tensor:
-    """torchtitan's: the expert bias (second argument) shifts the sigmoid scores the top-k is taken of."""
-    x, expert_bias = args
-    return (torch.sigmoid(router.gate(x).float()) + expert_bias).topk(router.top_k, dim=-1).indices
 
 
 @dataclass(frozen=True)

@@ -299,35 +299,56 @@ def test_dcp_round_trip_loads_in_place_including_stacked_views(tmp_path: object)
     torch.testing.assert_close(layout.tensors([expert(0, 0)])["expert/L0/E0/param/w1"], other)
 
 
-def test_reset_optimizer_state_creates_exactly_the_stored_state_without_stepping() -> None:
-    """From stored keys, shapes and dtypes alone: stacked state whole, a shared scalar step on the host, a
-    parameter the source has no state for without state, weights and hyperparameters untouched."""
-    names = {"m.0.attn.w": (3, 2), "m.0.moe.experts.w1": (2, 4, 3), "m.0.moe.experts.b": (2,), "m.0.mlp.w": (2,)}
-    source_model = model_from_names(names)
-    source = stepped(source_model)
-    source.state.pop(dict(source_model.named_parameters())["m.0.mlp.w"])  # e.g. frozen: no state
-    specs = {k: (tuple(t.shape), t.dtype) for k, t in build_layout(source_model, source).tensors().items()}
+STATE_NAMES = {"m.0.attn.w": (3, 2), "m.0.moe.experts.w1": (2, 4, 3), "m.0.moe.experts.b": (2,), "m.0.mlp.w": (2,)}
+"""The model of the optimizer-state creation tests: a dense weight, a stacked weight and a stacked 1-D parameter,
+and ``m.0.mlp.w``, which the source holds no state for."""
 
-    model = model_from_names(names)
-    optimizer = stepped(model)  # holds state of other values, and for every parameter
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer.step = None  # type: ignore[method-assign]  # never called
-    layout = build_layout(model, optimizer)
-    layout.reset_optimizer_state(layout.units, specs)
-    params = dict(model.named_parameters())
-    assert params["m.0.mlp.w"] not in optimizer.state
-    w1 = optimizer.state[params["m.0.moe.experts.w1"]]
-    assert w1["exp_avg"].shape == (2, 4, 3) and w1["step"].shape == () and w1["step"].device.type == "cpu"
-    assert optimizer.state[params["m.0.moe.experts.b"]]["exp_avg"].shape == (2,), "a stacked 1-D parameter"
-    assert optimizer.state[params["m.0.moe.experts.b"]]["step"].shape == (), "its step is shared, not sliced"
-    assert {k: (tuple(t.shape), t.dtype) for k, t in layout.tensors().items()} == specs
-    assert all(float(t.abs().sum()) == 0 for k, t in layout.tensors().items() if "/optim/" in k)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), before[name])
+
+def _stored_source_layout() -> Layout:
+    """The layout the stored state comes from: a stepped optimizer with no state for ``m.0.mlp.w`` (e.g. frozen)."""
+    model = model_from_names(STATE_NAMES)
+    optimizer = stepped(model)
+    optimizer.state.pop(dict(model.named_parameters())["m.0.mlp.w"])
+    return build_layout(model, optimizer)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _state_tensors(layout: Layout) -> dict[str, torch.Tensor]:
     return {key: tensor for key, tensor in layout.tensors().items() if "/optim/" in key}
+
+
+def _assert_created_state(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor]) -> None:
+    """What creating state from the source's stored tensors must give, however they are given: no state where the
+    source had none, a stacked parameter's state whole with its step a shared scalar on the host, and the model's
+    ``weights`` untouched."""
+    params = dict(model.named_parameters())
+    assert params["m.0.mlp.w"] not in optimizer.state
+    w1 = optimizer.state[params["m.0.moe.experts.w1"]]
+    assert w1["exp_avg"].shape == (2, 4, 3) and w1["step"].shape == () and w1["step"].device.type == "cpu"
+    for name, p in params.items():
+        assert torch.equal(p.detach(), weights[name]), name
+
+
+def test_reset_optimizer_state_creates_exactly_the_stored_state_without_stepping() -> None:
+    """From stored keys, shapes and dtypes alone: stacked state whole, a shared scalar step on the host, a
+    parameter the source has no state for without state, weights and hyperparameters untouched."""
+    specs = {k: (tuple(t.shape), t.dtype) for k, t in _stored_source_layout().tensors().items()}
+
+    model = model_from_names(STATE_NAMES)
+    optimizer = stepped(model)  # holds state of other values, and for every parameter
+    weights = _weights(model)
+    optimizer.step = None  # type: ignore[method-assign]  # never called
+    layout = build_layout(model, optimizer)
+    layout.reset_optimizer_state(layout.units, specs)
+    _assert_created_state(model, optimizer, weights)
+    b = optimizer.state[dict(model.named_parameters())["m.0.moe.experts.b"]]
+    assert b["exp_avg"].shape == (2,), "a stacked 1-D parameter"
+    assert b["step"].shape == (), "its step is shared, not sliced"
+    assert {k: (tuple(t.shape), t.dtype) for k, t in layout.tensors().items()} == specs
+    assert all(float(t.abs().sum()) == 0 for t in _state_tensors(layout).values())
 
 
 @pytest.mark.usefixtures("poisoned_empty")
@@ -335,28 +356,18 @@ def test_restore_optimizer_state_creates_the_restored_tensors_bitwise() -> None:
     """A fresh optimizer's state created from restored tensors is exactly them (allocated uninitialised, every byte
     then copied): stacked state whole from its experts' slices, the shared scalar step on the host, a parameter the
     restore holds no state for without state, weights untouched."""
-    names = {"m.0.attn.w": (3, 2), "m.0.moe.experts.w1": (2, 4, 3), "m.0.moe.experts.b": (2,), "m.0.mlp.w": (2,)}
-    source_model = model_from_names(names)
-    source = stepped(source_model)
-    source.state.pop(dict(source_model.named_parameters())["m.0.mlp.w"])  # e.g. frozen: no state
-    saved = {k: t.clone() for k, t in _state_tensors(build_layout(source_model, source)).items()}
+    saved = {k: t.clone() for k, t in _state_tensors(_stored_source_layout()).items()}
 
-    model = model_from_names(names)
+    model = model_from_names(STATE_NAMES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a restarted process: no state yet
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    weights = _weights(model)
     layout = build_layout(model, optimizer)
     layout.restore_optimizer_state(layout.units, saved)
-
-    params = dict(model.named_parameters())
-    assert params["m.0.mlp.w"] not in optimizer.state
-    w1 = optimizer.state[params["m.0.moe.experts.w1"]]
-    assert w1["exp_avg"].shape == (2, 4, 3) and w1["step"].shape == () and w1["step"].device.type == "cpu"
+    _assert_created_state(model, optimizer, weights)
     got = _state_tensors(layout)
     assert sorted(got) == sorted(saved)
     for key, value in saved.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
-    for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), before[name]), name
 
 
 @pytest.mark.usefixtures("poisoned_empty")

@@ -4,11 +4,13 @@ which experts the router selects and is updated from the tokens each expert rece
 
 Written after torchtitan's ``GroupedExperts``/``TokenChoiceTopKRouter``/``MoE`` (names, shapes and what the
 router returns), without its parallelism: what a user who brings such a model gives ``MoCCheckpoint``.
+:func:`titan_route` is the tests' own reading of what its router selected.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,14 @@ class TokenChoiceTopKRouter(nn.Module):
         top_scores = scores.gather(1, selected)
         counts = torch.histc(selected.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts)
         return top_scores, selected, counts
+
+
+def titan_route(router: nn.Module, args: tuple[Any, ...], output: Any) -> torch.Tensor:
+    """The experts a :class:`TokenChoiceTopKRouter` forward selected, ``[tokens, k]``, as a forward hook on it sees
+    them: recomputed from its gate and the expert bias (its second argument), never read from its ``output``, so a
+    test's hand count of the tokens each expert received does not take the router's word for it."""
+    x, expert_bias = args
+    return (torch.sigmoid(router.gate(x).float()) + expert_bias).topk(router.top_k, dim=-1).indices
 
 
 class MoE(nn.Module):
