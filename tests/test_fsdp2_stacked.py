@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from safetensors.torch import load_file
 
 from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.config import ReplayConfig
+from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.consolidate import consolidate
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.layout import build_layout
@@ -125,10 +125,11 @@ class Oracle(L.Callback):
             raise Crash(f"killed after step {trainer.global_step}")
 
 
-def _fit(
-    root: str, world: int, max_steps: int, crash_after: int | None = None, replicas: int = 1
+def _fit_titan(
+    module: ShardedTitan, root: str, world: int, max_steps: int, config: CheckpointConfig, crash_after: int | None
 ) -> tuple[Oracle, MoCCheckpoint]:
-    config = moc_config(Path(root), k_snapshot=4, k_persist=4, every_n_train_steps=2, persist_every_n_snapshots=1)
+    """Fit ``module`` on ``world`` ranks (``ModelParallelStrategy``; one process: Lightning's default) under MoC with
+    ``config``, resuming where MoC says, until ``max_steps`` or the oracle's crash."""
     moc, oracle = MoCCheckpoint(config), Oracle(crash_after)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, max_steps=max_steps, callbacks=[moc, oracle],
@@ -137,10 +138,17 @@ def _fit(
         default_root_dir=f"{root}/run",
     )
     try:
-        trainer.fit(ShardedTitan(replicas=replicas), ckpt_path=moc.resume_target())
+        trainer.fit(module, ckpt_path=moc.resume_target())
     except Crash:
         pass
     return oracle, moc
+
+
+def _fit(
+    root: str, world: int, max_steps: int, crash_after: int | None = None, replicas: int = 1
+) -> tuple[Oracle, MoCCheckpoint]:
+    config = moc_config(Path(root), k_snapshot=4, k_persist=4, every_n_train_steps=2, persist_every_n_snapshots=1)
+    return _fit_titan(ShardedTitan(replicas=replicas), root, world, max_steps, config, crash_after)
 
 
 def _crash_and_resume(rank: int, world_size: int, root: str, level: str, replicas: int) -> dict:
@@ -270,18 +278,8 @@ class StatefulTitan(ShardedTitan):
 
 
 def _replay_fit(root: str, world: int, crash_after: int | None) -> tuple[Oracle, MoCCheckpoint]:
-    moc, oracle = MoCCheckpoint(moc_config(Path(root), mode="replay", replay=ReplayConfig(window=3))), Oracle(crash_after)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=9, callbacks=[moc, oracle],
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        default_root_dir=f"{root}/run",
-    )
-    try:
-        trainer.fit(StatefulTitan(), ckpt_path=moc.resume_target())
-    except Crash:
-        pass
-    return oracle, moc
+    config = moc_config(Path(root), mode="replay", replay=ReplayConfig(window=3))
+    return _fit_titan(StatefulTitan(), root, world, 9, config, crash_after)
 
 
 def _replayed(rank: int, world_size: int, root: str, crash: int) -> dict[str, Any]:
