@@ -108,7 +108,8 @@ class ParamSlot:
     """Name inside the unit (``fc.weight`` for an expert): the same for every expert, EP degree and rank."""
     index: int | None = None
     """Position along dim 0 of a stacked ``[E, ...]`` parameter (of this rank's piece of it, for a DTensor sharded
-    along the expert dim); ``None`` when the unit owns it whole."""
+    along the expert dim) or buffer (the expert's entry: a buffer is never sharded); ``None`` when the unit owns it
+    whole."""
     buffer: bool = False
     """A persistent buffer: saved and restored with the unit, no optimizer state."""
     view: tuple[int, ...] | None = None
