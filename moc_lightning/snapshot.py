@@ -360,13 +360,16 @@ def _address(mapping: mmap.mmap) -> int:
     return torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
 
 
-def allocate(path: Path, nbytes: int) -> None:
-    """Allocate the first ``nbytes`` of file ``path`` (created, with its folders, if missing; never shortened): a
-    full tmpfs fails here with ENOSPC rather than killing the process with SIGBUS in the middle of a copy."""
+def allocate(path: Path, nbytes: int, start: int = 0) -> None:
+    """Allocate bytes ``[start, nbytes)`` of file ``path`` (created, with its folders, if missing; never shortened): a
+    full tmpfs fails here with ENOSPC rather than killing the process with SIGBUS in the middle of a copy. ``start``:
+    where the caller knows every byte before is allocated (a fallocate walks every page of its range, allocated or
+    not: 17-37 ms for 338 MB of tmpfs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        if nbytes > start:
+            os.posix_fallocate(fd, start, nbytes - start)
     finally:
         os.close(fd)
 

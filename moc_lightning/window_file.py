@@ -41,6 +41,9 @@ FOOTER = struct.Struct("<QQ8s")
 
 MAGIC = b"MOCWIN01"
 
+OVERRUN = 0.01
+"""How much a slot's file grows past its mapping at least (:meth:`WindowSlot._map`), as a share of it."""
+
 BufferKey = tuple[int, str]
 """A capture buffer: ``(t, key)``, with ``t`` the offset of logged weights, or :data:`FULL` for a unit's full state
 (taken once a window) (:class:`~moc_lightning.replay.WindowRecord`)."""
@@ -81,9 +84,10 @@ class WindowSlot:
         return view
 
     def begin(self) -> None:
-        """Before a window's first capture: give the file back the pages :meth:`seal` cut off."""
+        """Before a window's first capture: give the file back the pages :meth:`seal` cut off, and only those (the
+        pages before them are the regions, still allocated)."""
         if self._mapping is not None:
-            allocate(self.path, len(self._mapping))
+            allocate(self.path, len(self._mapping), start=self.path.stat().st_size)
 
     def seal(self, tail: Mapping[str, Any]) -> int:
         """Complete the file: ``tail`` after the regions (where it names a capture buffer by its :data:`BufferKey`,
@@ -101,9 +105,14 @@ class WindowSlot:
 
     def _map(self, nbytes: int) -> mmap.mmap:
         """The file mapped, at least ``nbytes`` long (:func:`~moc_lightning.snapshot.map_file`; a larger mapping
-        replaces the old one; views of the old one stay valid: both map the same pages)."""
+        replaces the old one; views of the old one stay valid: both map the same pages).
+
+        Past a mapping, it grows by :data:`OVERRUN` of it at least: a window's regions overrun their reservation by a
+        little (each region's alignment, state the estimate misses), region by region, and each remap allocates and
+        populates the whole file again."""
         if self._mapping is None or len(self._mapping) < nbytes:
-            self._mapping = map_file(self.path, nbytes)
+            grown = 0 if self._mapping is None else len(self._mapping) + int(len(self._mapping) * OVERRUN)
+            self._mapping = map_file(self.path, max(nbytes, grown))
         return self._mapping
 
 
