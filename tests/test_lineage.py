@@ -127,7 +127,7 @@ def test_a_failed_attempt_leaves_no_bytes_behind(tmp_path: Path) -> None:
     """
     first = Recorder(at=(5,), crash_after=12)
     config = _config(tmp_path, persist_every_n_snapshots=1, k_snapshot=1, k_persist=1, complete_first_persist=False)
-    fit_or_crash(tmp_path, config, 30, first)
+    fit_or_crash(tmp_path, config, 30, first, [DrainPersists()])  # step 10's persist lands before the crash
     shutil.rmtree(tmp_path / "shm")
     data = next((tmp_path / "ckpt" / "step_000000010").glob("*.distcp"))
     raw = bytearray(data.read_bytes())
