@@ -745,17 +745,12 @@ def _buffer_slots(
         return [(unit, ParamSlot(name, m.local_name, buffer=True))]
     if layer is None:  # held by the MoE layer module itself?
         layer = next((layer for layer in moe_layers if name.rpartition(".")[0] == layer.prefix), None)
-    if layer is not None and buffer.dim() > 0 and buffer.shape[0] == layer.num_experts:  # entry e: expert e's
+    if layer is not None and buffer.dim() > 0 and buffer.shape[0] in (layer.num_experts, len(layer.local_experts)):
+        whole = buffer.shape[0] == layer.num_experts  # entry e is expert e's; else the local experts' in order
         local_name = name.rpartition(".")[2]
         return [
-            (ExpertUnit(layer.index, e), ParamSlot(name, local_name, index=e, buffer=True)) for e in layer.local_experts
-        ]
-    if layer is not None and buffer.dim() > 0 and buffer.shape[0] == len(layer.local_experts):  # the local experts'
-        local_name = name.rpartition(".")[2]
-        offset = _offset(expert_offset, layer.prefix)
-        return [
-            (ExpertUnit(layer.index, offset + i), ParamSlot(name, local_name, index=i, buffer=True))
-            for i in range(buffer.shape[0])
+            (ExpertUnit(layer.index, e), ParamSlot(name, local_name, index=e if whole else i, buffer=True))
+            for i, e in enumerate(layer.local_experts)
         ]
     unit = DenseUnit(_dense_name(name, [layer.prefix for layer in moe_layers]))
     return [(unit, ParamSlot(name, name[len(unit.name) :].lstrip(".") or name, buffer=True))]
