@@ -147,9 +147,11 @@ class SnapshotStore:
         self._mappings: dict[int, mmap.mmap] = {}
         self._steps: dict[int, int] | None = None
         """Step of each complete slot as this process last wrote or read it (saves a disk scan per snapshot)."""
-        self._targets: dict[tuple[int, tuple], tuple[dict[str, SlotEntry], list[torch.Tensor]]] = {}
-        """Per slot and tensor signature, the slot's layout and views to copy into: a snapshot of units already
-        seen in that slot is one ``_foreach_copy_``, with no layout or views to build first."""
+        self._targets: dict[tuple[int, tuple], tuple[list[SlotEntry], list[torch.Tensor]]] = {}
+        """Per slot and sequence of tensor dtypes and shapes, the place of each tensor in the slot and a view to copy
+        into: a snapshot laid out as one before in that slot is one ``_foreach_copy_``, with no layout or views to
+        build first. Keyed without the tensors' names, so that the sequential selection's next experts (the same
+        shapes in the same order as the last ones) reuse them."""
 
     def slot_dir(self, slot: int) -> Path:
         return self.root / f"slot{slot}"
@@ -292,14 +294,15 @@ class SnapshotStore:
     ) -> tuple[dict[str, SlotEntry], list[torch.Tensor]]:
         """Invalidate ``slot`` and return its layout for ``tensors`` and a view of the slot for each."""
         self.invalidate(slot)
-        signature = tuple((key, t.dtype, t.shape) for key, t in tensors.items())
+        signature = tuple((t.dtype, t.shape) for t in tensors.values())
         cached = self._targets.get((slot, signature))
         if cached is None:
             entries, nbytes = layout_entries(tensors)
             mapping = self._map(slot, nbytes)
-            cached = entries, [view_of(mapping, entries[key]) for key in tensors]
+            cached = list(entries.values()), [view_of(mapping, entry) for entry in entries.values()]
             self._targets[(slot, signature)] = cached
-        return cached
+        placed, views = cached
+        return dict(zip(tensors, placed)), views
 
     def _unpin(self, mapping: mmap.mmap) -> None:
         """Undo the page-locking of a mapping that is being replaced or removed."""

@@ -33,6 +33,21 @@ def test_buffer_is_reused(tmp_path: Path) -> None:
     assert store._mappings[0] is first
 
 
+def test_a_slot_reused_for_other_units_of_the_same_shapes_names_them(tmp_path: Path) -> None:
+    """The sequential selection's next experts have the shapes of the last ones: the slot's layout is reused, and
+    the committed entries name the new tensors, each holding its own values."""
+    store = SnapshotStore(tmp_path)
+    store.write(0, 1, ("expert/L0/E0",), {"e0.w": torch.zeros(4, 3), "e0.b": torch.zeros(3)}, {})
+    views = store._targets[next(iter(store._targets))][1]
+    new = {"e1.w": torch.arange(12.0).view(4, 3), "e1.b": torch.full((3,), 5.0)}
+    meta = store.write(0, 2, ("expert/L0/E1",), new, {})
+    assert len(store._targets) == 1 and store._targets[next(iter(store._targets))][1] is views  # none built again
+    loaded = SnapshotStore(tmp_path).read(SnapshotStore(tmp_path).committed()[0])
+    assert sorted(meta.entries) == sorted(loaded) == ["e1.b", "e1.w"]
+    for key, tensor in new.items():
+        assert torch.equal(loaded[key], tensor)
+
+
 def test_torn_slot_is_ignored(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     store.write(0, 1, (), _tensors(), {})
