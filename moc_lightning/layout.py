@@ -259,17 +259,26 @@ class Layout:
         chosen = self.units if units is None else units
         return {key: tensor for unit in chosen for key, tensor, _ in self._entries(unit)}
 
+    @torch.no_grad()
     def pieces(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
-        """As :meth:`tensors`, each DTensor as this rank's local piece of it (sharing its storage)."""
-        return {key: piece(tensor) for key, tensor in self.tensors(units).items()}
+        """As :meth:`tensors`, each DTensor as this rank's local piece of it (sharing its storage).
+
+        Without grad mode, on every snapshot: ``DTensor.to_local`` is then the local tensor itself, where with it
+        it is an autograd function (8-17 us a tensor, over a millisecond a snapshot of the quick preset's pieces).
+        """
+        return {key: tensor for unit in units for key, tensor, _ in self._entries(unit, local=True)}
 
     def model_tensors(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
         """The model's own tensors of ``units``: weights and buffers, no optimizer state (as in :meth:`tensors`)."""
         return {key: tensor for unit in units for key, tensor, kind in self._entries(unit) if kind != "optimizer"}
 
+    @torch.no_grad()
     def model_pieces(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
-        """As :meth:`model_tensors`, each DTensor as this rank's local piece of it (sharing its storage)."""
-        return {key: piece(tensor) for key, tensor in self.model_tensors(units).items()}
+        """As :meth:`model_tensors`, each DTensor as this rank's local piece of it (sharing its storage); without
+        grad mode, as :meth:`pieces`."""
+        return {
+            key: tensor for unit in units for key, tensor, kind in self._entries(unit, local=True) if kind != "optimizer"
+        }
 
     def compute_dtype(self, key: str, tensor: torch.Tensor) -> torch.dtype:
         """The dtype a forward reads ``tensor``, the model tensor ``key`` (one of :meth:`model_tensors`), in: its
@@ -300,18 +309,20 @@ class Layout:
             compute_weights=compute,
         )
 
-    def _entries(self, unit: Unit) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def _entries(self, unit: Unit, local: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
         """``(key, tensor, kind)`` for each weight (then its optimizer state) and buffer of ``unit``; ``kind``
-        is ``weight``, ``optimizer`` or ``buffer``."""
+        is ``weight``, ``optimizer`` or ``buffer``. ``local``: each DTensor as this rank's piece of it; a DTensor
+        parameter is not detached first then (a dispatch of its own; its piece does not require grad)."""
         for slot in self.slots[unit]:
             if slot.buffer:
                 buffer = self.buffers[slot.param]
-                yield buffer_key(unit, slot.local_name), _take(buffer, slot, buffer.shape), "buffer"
+                yield buffer_key(unit, slot.local_name), _take(buffer, slot, buffer.shape, local), "buffer"
                 continue
             param = self.params[slot.param]
-            yield param_key(unit, slot.local_name), _take(param.detach(), slot, param.shape), "weight"
+            weight = param if local and isinstance(param, DTensor) else param.detach()
+            yield param_key(unit, slot.local_name), _take(weight, slot, param.shape, local), "weight"
             for state_name, value in self._state(slot.param).items():
-                yield state_key(unit, slot.local_name, state_name), _take(value, slot, param.shape), "optimizer"
+                yield state_key(unit, slot.local_name, state_name), _take(value, slot, param.shape, local), "optimizer"
 
     def shared_state_keys(self, units: Iterable[Unit]) -> dict[str, tuple[str, str]]:
         """Optimizer-state keys of ``units`` whose tensor all experts of a stacked parameter share (not sliced:
@@ -550,11 +561,11 @@ def _sliced(shape: Sequence[int], slot: ParamSlot, param_shape: torch.Size) -> b
     return slot.index is not None and len(shape) > 0 and shape[0] == param_shape[0]
 
 
-def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size) -> torch.Tensor:
+def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size, local: bool = False) -> torch.Tensor:
     """The expert's slice of a stacked tensor (through its ``[E, I, ...]`` view when flattened), or the whole
-    tensor when it is not sliced (see :func:`_sliced`)."""
+    tensor when it is not sliced (see :func:`_sliced`); ``local``: a whole DTensor as this rank's piece of it."""
     if not _sliced(tensor.shape, slot, param_shape):
-        return tensor
+        return piece(tensor) if local else tensor
     tensor = piece(tensor)  # a stacked DTensor's slice indices count in this rank's piece (:func:`_local_experts`)
     return (tensor.view(-1, *slot.view[1:]) if slot.view else tensor)[slot.index]
 
