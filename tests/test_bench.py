@@ -114,6 +114,14 @@ def test_two_processes_measure_moc_beside_dcp_and_skip_what_cannot_save_the_mode
         assert row["skipped"] is None and row["checkpoints"] == 2 and row["recover_seconds"] > 0, name
         assert row["expected_bytes"] == pytest.approx(row["tensor_bytes_per_checkpoint"], rel=1e-4), name
     assert rows["moc_k1"]["tensor_bytes_per_checkpoint"] < rows["dcp_async"]["tensor_bytes_per_checkpoint"] / 2
+    k1, dcp = rows["moc_k1"], rows["dcp_async"]  # issue 12's comparison, and the least a copy on the thread takes
+    copied = k1["bytes_per_iteration"] * result["steps"] / k1["checkpoints"]
+    assert 0 < copied < result["state_bytes"] / 2, "a K=1 snapshot copies a share of rank 0's state"
+    assert (f"moc_k1 stall {k1['stall_ms_mean']} ms = {100 * k1['stall_ms_mean'] / dcp['stall_ms_mean']:.1f}% of "
+            f"dcp_async's {dcp['stall_ms_mean']} ms") in proc.stdout
+    light_ms = copied / (result["speed_of_light"]["copy_gbps"] * 1e9) * 1000
+    assert f"its copy alone, {copied / 1e6:.2f} MB a snapshot on rank 0 at the speed of light, takes {light_ms:.2f} ms" \
+        in proc.stdout
     assert not list(tmp_path.glob("moc_bench_*")), "the shared slot directory is removed"
 
 
