@@ -748,13 +748,16 @@ class PECCheckpointer:
         """Restore the newest readable state in storage; ``None`` if there is none.
 
         A checkpoint that fails verification (checksum, truncated or missing file, bad metadata) is dropped
-        from the manifest and the load is planned again from the versions before it.
+        from the manifest, everything the failed attempt loaded is rolled back, and the load is planned again from
+        the versions before it.
         """
         manifest = self.read_manifest()
+        before = self.layout.rollback_point()
         while manifest.latest is not None:
             try:
                 return self._load_newest(manifest)
             except UnreadableCheckpoint as bad:
+                self.layout.roll_back(before)
                 manifest = self.forget(manifest, bad)
         return None
 

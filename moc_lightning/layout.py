@@ -52,6 +52,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -338,6 +339,31 @@ class Layout:
                         shared[state_key(unit, slot.local_name, name)] = (slot.param, name)
         return shared
 
+    def rollback_point(self) -> RollbackPoint:
+        """Copies of the live weights, buffers and optimizer state, before a load that may fail part-way writes into
+        them (a load copies a checkpoint's items in one by one, and a damaged item stops it). In a process that
+        resumes, the optimizer has no state yet, so the weights and buffers are all that is copied."""
+        model = {key: tensor.clone() for key, tensor in self.model_tensors(self.units).items()}
+        states = {} if self.optimizer is None else self.optimizer.state
+        optimizer = {
+            param: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in state.items()}
+            for param, state in states.items()
+        }
+        return RollbackPoint(model, optimizer)
+
+    def roll_back(self, point: RollbackPoint) -> None:
+        """Undo a failed load: the live tensors as at :meth:`rollback_point`, so that no byte it loaded survives into
+        the next attempt (a unit the next one does not load keeps its state before either)."""
+        with torch.no_grad():
+            for key, tensor in self.model_tensors(self.units).items():
+                tensor.copy_(point.model[key])
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+            self.optimizer.state.update(
+                {param: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in state.items()}
+                 for param, state in point.optimizer.items()}
+            )
+
     def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded tensors into the live parameters and optimizer state, in place (this rank's pieces of them).
 
@@ -568,6 +594,15 @@ def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size, local:
         return piece(tensor) if local else tensor
     tensor = piece(tensor)  # a stacked DTensor's slice indices count in this rank's piece (:func:`_local_experts`)
     return (tensor.view(-1, *slot.view[1:]) if slot.view else tensor)[slot.index]
+
+
+class RollbackPoint(NamedTuple):
+    """The live state before a load (:meth:`Layout.rollback_point`)."""
+
+    model: dict[str, torch.Tensor]
+    """Copies of the weights and buffers, by key."""
+    optimizer: dict[torch.Tensor, dict[str, Any]]
+    """Copies of the optimizer state, by parameter."""
 
 
 @dataclass(frozen=True)

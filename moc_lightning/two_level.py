@@ -445,13 +445,13 @@ class TwoLevelCheckpointer:
         inventory = _all_gather(
             [SlotInventory(self.rank, m.slot, m.step, frozenset(m.units), frozenset(m.parts)) for m in metas]
         )
-        baseline = self._rollback_point()
+        baseline = self.pec.layout.rollback_point()
         while True:
             try:
                 report = self._recover_with(manifest, metas, inventory, start)
                 break
             except UnreadableCheckpoint as bad:
-                self._roll_back(baseline)
+                self.pec.layout.roll_back(baseline)
                 manifest = self.pec.forget(manifest, bad)
         if report is None:
             self.store.clear()
@@ -461,22 +461,6 @@ class TwoLevelCheckpointer:
             self.lineage = resumed
         self.pec.base_on(manifest)
         return report
-
-    def _rollback_point(self) -> dict[str, torch.Tensor]:
-        """Copies of the model's tensors as they are before recovery loads anything into them.
-
-        The optimizer has no state yet (recovery creates it), so weights and buffers are all there is to keep.
-        """
-        return {k: t.clone() for k, t in self.pec.layout.model_tensors(self.pec.layout.units).items()}
-
-    def _roll_back(self, baseline: Mapping[str, torch.Tensor]) -> None:
-        """Undo a failed recovery attempt: no byte it loaded may survive into the next plan."""
-        layout = self.pec.layout
-        with torch.no_grad():
-            for key, tensor in layout.model_tensors(layout.units).items():
-                tensor.copy_(baseline[key])
-        if layout.optimizer is not None:
-            layout.optimizer.state.clear()
 
     def _recover_with(
         self, manifest: Manifest, metas: list[SlotMeta], inventory: list[SlotInventory], start: float

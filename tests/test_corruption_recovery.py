@@ -14,6 +14,7 @@ from moc_lightning.checkpointer import MANIFEST
 from moc_lightning.manifest import Manifest
 from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.snapshot import SnapshotStore
+from moc_lightning.units import ExpertUnit
 
 
 def _two_checkpoints(url: str) -> tuple[dict[int, dict[str, torch.Tensor]], Path]:
@@ -141,3 +142,39 @@ def test_slot_metadata_damage_a_parser_cannot_see_skips_the_slot(tmp_path: Path)
     store.write(1, 8, ("dense/a",), {"dense/a/param/w": torch.ones(3)}, {"engine": {}})
     flip_byte_of(store.slot_dir(1) / "meta.json", b'"step": 8', 8)  # valid JSON, now says step 9
     assert [m.step for m in SnapshotStore(tmp_path / "slots").committed()] == [7], "the damaged slot is torn"
+
+
+def test_a_unit_only_the_damaged_checkpoint_held_is_rolled_back_to_its_state_before_the_load(tmp_path: Path) -> None:
+    """The damaged checkpoint's load copies its items in one by one until the damaged one; the fallback has no
+    version of an expert that only it held, so nothing reloads that expert: it must be as before the load (its
+    initial state, no optimizer state), not half the damaged checkpoint's. Failed on 25ba8bd (the expert kept the
+    items of step 2 copied before the damaged one)."""
+    url = (tmp_path / "ckpt").as_uri()
+    trainee = Trainee(ExpertParallelTopology())
+    engine = trainee.engine(every_step_config(TINY.num_experts, TINY.num_experts), url)
+    only_in_step_2 = ExpertUnit(1, 4)
+    for step, units in ((1, engine.layout.dense_units), (2, (*engine.layout.dense_units, only_in_step_2))):
+        trainee.step(step)
+        engine.record_tokens(trainee.model.moe_layers())
+        engine.mark_step(step)
+        engine.persist(step, units)
+    root = Path(url.removeprefix("file://")) / "step_000000002"
+    data = next(root.glob("*.distcp"))
+    reader = engine.storage.reader("step_000000002")
+    places = reader.read_metadata().storage_data
+    last = max(places.values(), key=lambda place: place.offset)
+    expert_items = [i for i, place in places.items() if i.fqn.startswith(only_in_step_2.key)]
+    assert any(places[i].offset < last.offset for i in expert_items), "some of the expert's items load before it"
+    with data.open("r+b") as f:  # damage the file's last item: every item before it loads
+        f.seek(last.offset + last.length - 1)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    fresh, engine = _restore(url)
+    before = {k: t.clone() for k, t in engine.layout.model_tensors([only_in_step_2]).items()}
+    report = engine.load_latest()
+    assert report.resume_step == 1
+    after = engine.layout.model_tensors([only_in_step_2])
+    assert all(torch.equal(after[k], before[k]) for k in before), "the expert holds no byte of step 2"
+    assert not engine.layout.tensors([only_in_step_2]).keys() - before.keys(), "nor optimizer state from it"
