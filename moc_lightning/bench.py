@@ -1213,8 +1213,21 @@ def _replay_lines(result: dict[str, Any]) -> list[str]:
         f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline; CPU time "
         f"of the process per iteration (every thread): {replay.get('paired_cpu_overhead_pct')}% against the run "
         f"beside it, {replay.get('cpu_overhead_pct')}% against the baseline",
+        _window_write_line(result, replay),
         *_restore_lines(replay, result["speed_of_light"]["copy_gbps"]),
     ]
+
+
+def _window_write_line(result: dict[str, Any], replay: dict[str, Any]) -> str:
+    """The write bandwidth ``moc_replay``'s storage level needs to keep pace, beside the one measured: where it needs
+    more, its writer never idles (a write is skipped while one is in flight) and takes CPU from training throughout."""
+    iterations = result["replay_window"] * result["replay_persist_every_n_windows"]
+    needed = replay["bytes_per_checkpoint"] / (iterations * result["baseline_iter_ms"] / 1000) / GB
+    measured = result["speed_of_light"]["write_fsync_gbps"]
+    verdict = "keeps pace" if needed <= measured else "cannot keep pace: its writer never idles"
+    return (f"moc_replay storage level: a window of {replay['bytes_per_checkpoint'] / 1e6:.1f} MB every {iterations} "
+            f"iterations needs {needed:.3f} GB/s of write+fsync; measured {measured} GB/s, so it {verdict} "
+            "(replay_persist_every_n_windows writes fewer)")
 
 
 def _restore_lines(replay: dict[str, Any], copy_gbps: float) -> list[str]:

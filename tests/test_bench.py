@@ -180,6 +180,9 @@ def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> No
         assert f"{ratio}x the " in table and f"(bound 2x: {'met' if ratio <= 2 else 'not met'})" in table, level
     assert "| moc_replay |" in table
     assert f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration" in table
+    needed = replay["bytes_per_checkpoint"] / (4 * result["baseline_iter_ms"] / 1000) / 1e9  # a window every 4 steps
+    assert (f"moc_replay storage level: a window of {replay['bytes_per_checkpoint'] / 1e6:.1f} MB every 4 iterations "
+            f"needs {needed:.3f} GB/s of write+fsync; measured {result['speed_of_light']['write_fsync_gbps']} GB/s") in table
     assert (f"stall per iteration: moc_replay {replay['stall_ms_per_iteration']} ms (a capture every iteration), "
             f"moc_k1 {k1['stall_ms_per_iteration']} ms (a snapshot every 4)") in table
 
