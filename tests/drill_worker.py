@@ -21,6 +21,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning_run import DrainPersists
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, ReplayConfig, StorageConfig
@@ -90,6 +91,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--pec-scope", default="both")
     parser.add_argument("--mode", default="pec", help="checkpoint.mode")
     parser.add_argument("--window", type=int, default=5, help="checkpoint.replay.window (with --mode replay)")
+    parser.add_argument("--drain-persists", action="store_true", help="wait for every persist: none skipped")
     return parser.parse_args()
 
 
@@ -127,7 +129,7 @@ def train(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(args.out / "run"),
-        callbacks=[moc, Capture(args.out, args.every)],
+        callbacks=[moc, Capture(args.out, args.every), *([DrainPersists()] * args.drain_persists)],
     )
     trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target())
 

@@ -24,6 +24,16 @@ from moc_lightning.window_store import WINDOW_SUFFIX, WindowHead, memory_head
 MODEL = GPTMoEConfig(block_size=32)
 
 
+class DrainPersists(L.Callback):
+    """Waits for the background persist after every step, before MoC's snapshot of the next (checkpoint callbacks run
+    last), so no due persist is skipped as still in flight: a test that expects a persist at a given step needs it
+    there (on a loaded machine the step-10 persist of a lineage test, and the step-15 persist of a node-loss drill,
+    were skipped)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.finish()
+
+
 def cpu_trainer(root: Path, max_steps: int, callbacks: list[L.Callback], devices: int = 1, **kw: Any) -> L.Trainer:
     """A quiet Trainer on CPU (DDP over gloo for more than one device unless ``strategy`` is given), no validation, no
     logger unless given."""

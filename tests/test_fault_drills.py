@@ -40,14 +40,17 @@ unit has a piece on every node: :func:`test_node_loss_under_fsdp2_takes_every_un
 
 
 def launch_drill(
-    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both", mode: str = "pec"
+    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both", mode: str = "pec",
+    drain_persists: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s."""
+    """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s. ``drain_persists``: every
+    persist lands before the next snapshot, none is skipped as still in flight (a drill that expects the step-15
+    persist needs it)."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
         "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY), "--data-parallel", data_parallel,
-        "--pec-scope", pec_scope, "--mode", mode, "--window", str(EVERY),
+        "--pec-scope", pec_scope, "--mode", mode, "--window", str(EVERY), *(["--drain-persists"] * drain_persists),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -55,10 +58,11 @@ def launch_drill(
 
 
 def run_drill(
-    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both"
+    out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both",
+    drain_persists: bool = False,
 ) -> list[dict]:
     """Run the 4-rank job with the fault; return each rank's recovery report."""
-    launch_drill(out, fault, max_steps, data_parallel, pec_scope)
+    launch_drill(out, fault, max_steps, data_parallel, pec_scope, drain_persists=drain_persists)
     return [json.loads((out / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -127,7 +131,9 @@ def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path,
 
 @WHOLE_UNIT_MODES
 def test_node_loss_takes_the_lost_nodes_units_from_storage(tmp_path: Path, data_parallel: str) -> None:
-    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel=data_parallel)
+    reports = run_drill(
+        tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel=data_parallel, drain_persists=True
+    )
     report = reports[2]
     resume = report["resume_step"]
     assert resume == 15, "dense units of step 20 were partly on the lost node: back to the persisted step"
@@ -153,7 +159,9 @@ def test_node_loss_takes_each_part_from_its_newest_surviving_copy(tmp_path: Path
     comes back with weights of a newer step than its optimizer state, each from its own newest surviving copy
     (memory on the surviving node, else storage), and loses the tokens since its stalest part. (``weights``
     takes the same path with the parts swapped; ``tests/test_pec_scope.py`` runs every scope in one process.)"""
-    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", pec_scope="optimizer")
+    reports = run_drill(
+        tmp_path, "rank=2,step=23,phase=train,node_loss=1", pec_scope="optimizer", drain_persists=True
+    )
     report = reports[2]
     assert report["resume_step"] == 15
     check_bitwise(tmp_path, reports)
@@ -171,7 +179,9 @@ def test_node_loss_under_fsdp2_takes_every_unit_from_storage(tmp_path: Path) -> 
     """FSDP2 shards every unit over both nodes (dense over all 4 ranks, each expert over its 2 replicas, one per node):
     when a node is lost, no unit is whole in memory any more, so every unit comes from storage whole (the persist of
     step 15), none half from the surviving node's slots; bitwise, with PLT by hand and equal to storage-only PLT."""
-    reports = run_drill(tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel="fsdp2")
+    reports = run_drill(
+        tmp_path, "rank=2,step=23,phase=train,node_loss=1", data_parallel="fsdp2", drain_persists=True
+    )
     for report in reports:
         assert report["resume_step"] == 15
         assert {s["level"] for s in report["sources"].values()} <= {"storage", "none"}

@@ -12,14 +12,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-from lightning_run import FailFirstCommit, Recorder, check_sources, fit_or_crash, moc_config
+from lightning_run import DrainPersists, FailFirstCommit, Recorder, check_sources, fit_or_crash, moc_config
 from storage_faults import flip_middle_byte
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.callback import MoCCheckpoint, check_shm_root
+from moc_lightning.callback import check_shm_root
 from moc_lightning.checkpointer import PECCheckpointer, PersistFailed
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.layout import build_layout
@@ -145,14 +144,6 @@ def test_finished_run_removes_its_snapshots_unless_told_to_keep_them(tmp_path: P
     assert not _slots(tmp_path) and not any((tmp_path / "shm").iterdir())
     fit_or_crash(tmp_path / "kept", _config(tmp_path / "kept", remove_snapshots_on_fit_end=False), 10, Recorder())
     assert _slots(tmp_path / "kept")
-
-
-class DrainPersists(L.Callback):
-    """Waits for the background persist after every step, so no persist is skipped as still in flight (on a
-    loaded machine the step-10 persist was skipped, and the final persist then had nothing to supersede)."""
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        next(c for c in trainer.callbacks if isinstance(c, MoCCheckpoint)).engine.finish()
 
 
 def test_run_ending_by_max_epochs_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
