@@ -1174,13 +1174,13 @@ def markdown_table(result: dict[str, Any]) -> str:
             lines.append(f"| {row['name']} | skipped: {row['skipped']} |")
         else:
             lines.append("| " + " | ".join(_cell(row[key]) for _, key in TABLE) + " |")
-    return "\n".join([*lines, *_peer_lines(result), *_replay_lines(result)])
+    measured = {row["name"]: row for row in result["methods"] if not row["skipped"]}
+    return "\n".join([*lines, *_peer_lines(result, measured), *_replay_lines(result, measured)])
 
 
-def _peer_lines(result: dict[str, Any]) -> list[str]:
+def _peer_lines(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> list[str]:
     """``moc_k1``'s stall against DCP ``async_save``'s (issue 12's bound under ``fsdp2``: 5%), and the least its copy
-    could take on the training thread: its bytes at the speed of light."""
-    rows = {row["name"]: row for row in result["methods"] if not row["skipped"]}
+    could take on the training thread: its bytes at the speed of light. ``rows``: the measured rows, by name."""
     k1, dcp = rows.get("moc_k1"), rows.get("dcp_async")
     if k1 is None or dcp is None or not k1["checkpoints"] or not dcp["stall_ms_mean"]:
         return []
@@ -1195,9 +1195,9 @@ def _peer_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def _replay_lines(result: dict[str, Any]) -> list[str]:
-    """``moc_replay``'s stall per iteration beside ``moc_k1``'s, and its overhead against the run beside it."""
-    rows = {row["name"]: row for row in result["methods"] if not row["skipped"]}
+def _replay_lines(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> list[str]:
+    """``moc_replay``'s stall per iteration beside ``moc_k1``'s, and its overhead against the run beside it. ``rows``: the
+    measured rows, by name."""
     replay = rows.get("moc_replay")
     if replay is None:
         return []

@@ -344,12 +344,7 @@ class Layout:
         them (a load copies a checkpoint's items in one by one, and a damaged item stops it). In a process that
         resumes, the optimizer has no state yet, so the weights and buffers are all that is copied."""
         model = {key: tensor.clone() for key, tensor in self.model_tensors(self.units).items()}
-        states = {} if self.optimizer is None else self.optimizer.state
-        optimizer = {
-            param: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in state.items()}
-            for param, state in states.items()
-        }
-        return RollbackPoint(model, optimizer)
+        return RollbackPoint(model, _copied_state({} if self.optimizer is None else self.optimizer.state))
 
     def roll_back(self, point: RollbackPoint) -> None:
         """Undo a failed load: the live tensors as at :meth:`rollback_point`, so that no byte it loaded survives into
@@ -359,10 +354,7 @@ class Layout:
                 tensor.copy_(point.model[key])
         if self.optimizer is not None:
             self.optimizer.state.clear()
-            self.optimizer.state.update(
-                {param: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in state.items()}
-                 for param, state in point.optimizer.items()}
-            )
+            self.optimizer.state.update(_copied_state(point.optimizer))  # the point stays intact for another failure
 
     def copy_in(self, loaded: Mapping[str, torch.Tensor]) -> None:
         """Copy loaded tensors into the live parameters and optimizer state, in place (this rank's pieces of them).
@@ -594,6 +586,14 @@ def _take(tensor: torch.Tensor, slot: ParamSlot, param_shape: torch.Size, local:
         return piece(tensor) if local else tensor
     tensor = piece(tensor)  # a stacked DTensor's slice indices count in this rank's piece (:func:`_local_experts`)
     return (tensor.view(-1, *slot.view[1:]) if slot.view else tensor)[slot.index]
+
+
+def _copied_state(states: Mapping[torch.Tensor, Mapping[str, Any]]) -> dict[torch.Tensor, dict[str, Any]]:
+    """Optimizer state by parameter, each tensor in it copied (a load writes into the live ones in place)."""
+    return {
+        param: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in state.items()}
+        for param, state in states.items()
+    }
 
 
 class RollbackPoint(NamedTuple):
