@@ -271,15 +271,13 @@ class Layout:
 
     def model_tensors(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
         """The model's own tensors of ``units``: weights and buffers, no optimizer state (as in :meth:`tensors`)."""
-        return {key: tensor for unit in units for key, tensor, kind in self._entries(unit) if kind != "optimizer"}
+        return {key: tensor for unit in units for key, tensor, _ in self._entries(unit, state=False)}
 
     @torch.no_grad()
     def model_pieces(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
         """As :meth:`model_tensors`, each DTensor as this rank's local piece of it (sharing its storage); without
         grad mode, as :meth:`pieces`."""
-        return {
-            key: tensor for unit in units for key, tensor, kind in self._entries(unit, local=True) if kind != "optimizer"
-        }
+        return {key: tensor for unit in units for key, tensor, _ in self._entries(unit, local=True, state=False)}
 
     def compute_dtype(self, key: str, tensor: torch.Tensor) -> torch.dtype:
         """The dtype a forward reads ``tensor``, the model tensor ``key`` (one of :meth:`model_tensors`), in: its
@@ -310,10 +308,14 @@ class Layout:
             compute_weights=compute,
         )
 
-    def _entries(self, unit: Unit, local: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def _entries(
+        self, unit: Unit, local: bool = False, state: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """``(key, tensor, kind)`` for each weight (then its optimizer state) and buffer of ``unit``; ``kind``
         is ``weight``, ``optimizer`` or ``buffer``. ``local``: each DTensor as this rank's piece of it; a DTensor
-        parameter is not detached first then (a dispatch of its own; its piece does not require grad)."""
+        parameter is not detached first then (a dispatch of its own; its piece does not require grad). ``state``:
+        whether to yield the optimizer state; without it no view of it is built (a replay capture asks for the
+        model tensors of most units every iteration)."""
         for slot in self.slots[unit]:
             if slot.buffer:
                 buffer = self.buffers[slot.param]
@@ -322,7 +324,7 @@ class Layout:
             param = self.params[slot.param]
             weight = param if local and isinstance(param, DTensor) else param.detach()
             yield param_key(unit, slot.local_name), _take(weight, slot, param.shape, local), "weight"
-            for state_name, value in self._state(slot.param).items():
+            for state_name, value in (self._state(slot.param) if state else {}).items():
                 yield state_key(unit, slot.local_name, state_name), _take(value, slot, param.shape, local), "optimizer"
 
     def shared_state_keys(self, units: Iterable[Unit]) -> dict[str, tuple[str, str]]:
