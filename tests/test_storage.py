@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
 import functools
 import io
+import mmap
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -149,6 +154,97 @@ def test_put_file_returns_the_crc32c_of_the_bytes_it_stored(
     stored = storage.get("replay_window.rank0.0.win")
     assert stored == source.read_bytes()
     assert crc == checksum(stored), f"returned {crc}, the bytes read back have CRC32C {checksum(stored):08x}"
+
+
+def _takes_direct_io(directory: Path) -> bool:
+    """Whether files under ``directory`` can be opened for direct I/O (Linux; tmpfs refuses it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".direct-io-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+def _resident_pages(path: Path) -> tuple[int, int]:
+    """Pages of file ``path`` in the page cache, and all its pages (``mincore`` of a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    size = path.stat().st_size
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapping:
+        base = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+        pages = -(-size // page)
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(size), vector) != 0:
+            raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(v & 1 for v in vector), pages
+
+
+@pytest.mark.parametrize("root", ["disk", "tmpfs"])
+def test_put_file_writes_around_the_page_cache_where_the_file_system_allows_it(
+    root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay window's storage write is the storage level's whole cost on a host with few cores: through the page
+    cache it allocates a page per 4 KiB and leaves writeback to kernel threads, all beside training. Where the file
+    system takes direct I/O the copy goes around the cache (only the short last page through it), in several chunks,
+    with the same bytes and CRC32C; where it does not (tmpfs), through the cache as before."""
+    base = tmp_path if root == "disk" else Path(tempfile.mkdtemp(dir="/dev/shm"))
+    if root == "disk" and not _takes_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} takes no direct I/O (O_DIRECT), so no write can go around its cache")
+    if root == "tmpfs" and not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this host to check the fallback on")
+    try:
+        monkeypatch.setattr(objects, "DIRECT_CHUNK", 1 << 16)
+        source = Path(tempfile.mkdtemp(dir="/dev/shm")) / "window" if Path("/dev/shm").is_dir() else tmp_path / "w"
+        source.write_bytes(os.urandom((5 << 16) + 4096 * 3 + 7))
+        store = objects.LocalObjects(base / "root")
+        crc = store.put_file("replay_window.rank0.0.win", source)
+        target = store.local_file("replay_window.rank0.0.win")
+        resident, pages = _resident_pages(target)  # before any read of it brings its pages in
+        if root == "disk":
+            assert resident <= 1, f"{resident} of the {pages} pages written went through the page cache"
+        assert target.read_bytes() == source.read_bytes()
+        assert crc == checksum(source.read_bytes())
+        assert [p.name for p in target.parent.iterdir()] == [target.name], "a temp file was left"
+        source.unlink()
+        source.parent.rmdir()
+    finally:
+        if root == "tmpfs":
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def test_put_file_starts_over_through_the_page_cache_when_a_direct_write_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system may open a file for direct I/O and then refuse a write (EINVAL: a device whose blocks are larger
+    than :data:`objects.DIRECT_ALIGN`). The put starts over through the cache: the object holds the source's bytes
+    only, under their CRC32C. Any other error fails the put, leaving the old object."""
+    if not _takes_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} takes no direct I/O (O_DIRECT): no direct write to refuse")
+    source = tmp_path / "window"
+    source.write_bytes(os.urandom((3 << 16) + 11))
+    store = objects.LocalObjects(tmp_path / "root")
+    store.put("w.win", b"old")
+
+    def refused(error: int) -> Callable[..., int]:
+        def copy(source: Path, size: int, direct: int, fd: int) -> int:
+            os.write(fd, b"half a window written before the refusal")
+            raise OSError(error, os.strerror(error))
+
+        return copy
+
+    monkeypatch.setattr(objects, "_copy_direct", refused(errno.ENOSPC))
+    with pytest.raises(OSError, match=os.strerror(errno.ENOSPC)):
+        store.put_file("w.win", source)
+    assert store.get("w.win") == b"old" and [p.name for p in (tmp_path / "root").iterdir()] == ["w.win"]
+    monkeypatch.setattr(objects, "_copy_direct", refused(errno.EINVAL))
+    crc = store.put_file("w.win", source)
+    assert store.get("w.win") == source.read_bytes() and crc == checksum(source.read_bytes())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,6 +13,8 @@ Names are ``/``-separated keys relative to the storage root (``step_00000120/moc
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import shutil
 import tempfile
@@ -72,6 +74,90 @@ def copy_file(source: Path, target: BinaryIO) -> int:
     return crc
 
 
+DIRECT_CHUNK = 8 << 20
+"""Bytes per write of :func:`copy_file_direct`: a direct write waits for the device, so few large ones."""
+
+DIRECT_ALIGN = 4096
+"""Offsets and lengths of direct writes are multiples of this (the logical block size of common devices); the
+mapping they are written from is page-aligned."""
+
+CHECKSUM_SLICE = 256 << 10
+"""Bytes per checksum call of :func:`copy_file_direct`: the checksum takes ``bytes`` only, so each slice of the
+mapping is copied first, small enough to stay in a core's cache (an 8 MiB slice costs a fresh allocation each)."""
+
+
+def copy_file_direct(source: Path, fd: int, path: str) -> int:
+    """Write the bytes of file ``source`` into the empty file ``path`` open as ``fd``; returns their CRC32C.
+
+    Around the page cache (``O_DIRECT``) where the file system takes it: the device reads straight from a mapping of
+    ``source`` (shared memory), the only pass over the bytes by a core is the checksum's, and no page cache is
+    allocated or written back by kernel threads beside training. The last bytes short of :data:`DIRECT_ALIGN` go
+    through ``fd``. A 356 MB window from shared memory to this host's disk beside a 2-thread matmul loop (an ad-hoc
+    script, 3 runs): 0.31-0.36 s against 0.71-0.81 s through the cache, and the loop lost 0.11-0.13 s against
+    0.31-0.40 s. Where direct I/O is refused (tmpfs, some network file systems), :func:`copy_file` through ``fd``.
+    """
+    size = source.stat().st_size
+    direct = _open_direct(path) if size >= DIRECT_ALIGN else None
+    if direct is not None:
+        try:
+            return _copy_direct(source, size, direct, fd)
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # opened, but a write refused (a device with larger blocks): start over
+                raise
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(direct)
+    with os.fdopen(fd, "wb", closefd=False) as f:
+        f.seek(0)
+        crc = copy_file(source, f)
+        f.flush()
+    return crc
+
+
+def _copy_direct(source: Path, size: int, direct: int, fd: int) -> int:
+    """:func:`copy_file_direct` where ``direct`` takes direct writes."""
+    with source.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    with mapping, memoryview(mapping) as view:
+        crc, aligned = 0, size - size % DIRECT_ALIGN
+        for start in range(0, aligned, DIRECT_CHUNK):
+            end = min(start + DIRECT_CHUNK, aligned)
+            crc = _checksum_slices(mapping, start, end, crc)
+            _write_all(direct, view[start:end])
+        crc = checksum(mapping[aligned:], crc)
+        os.pwrite(fd, view[aligned:], aligned)
+    return crc
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map every page of the source at once: tmpfs pages faulted in one at a time cost more than the copy."""
+
+
+def _open_direct(path: str) -> int | None:
+    """``path`` opened again for direct writes, or ``None`` where the OS or the file system does not take them."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError as err:
+        if err.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _checksum_slices(mapping: mmap.mmap, start: int, end: int, crc: int) -> int:
+    for at in range(start, end, CHECKSUM_SLICE):
+        crc = checksum(mapping[at : min(at + CHECKSUM_SLICE, end)], crc)
+    return crc
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until all of ``data`` is written (a write may take part of it)."""
+    while data:
+        data = data[os.write(fd, data) :]
+
+
 class LocalObjects:
     """Control objects as files under ``root``."""
 
@@ -86,14 +172,26 @@ class LocalObjects:
         self.write(name, lambda f: f.write(data))
 
     def put_file(self, name: str, source: Path) -> int:
-        """:meth:`put` of the bytes of local file ``source``, copied a chunk at a time (:func:`copy_file`); returns
-        their CRC32C."""
-        return self.write(name, lambda f: copy_file(source, f))
+        """:meth:`put` of the bytes of local file ``source``, around the page cache where the file system takes
+        direct I/O (:func:`copy_file_direct`), else through it a chunk at a time (:func:`copy_file`); returns their
+        CRC32C."""
+        return self._replace(name, lambda fd, tmp: copy_file_direct(source, fd, tmp))
 
     def write(self, name: str, fill: Callable[[BinaryIO], T]) -> T:
         """Write ``name`` atomically with what ``fill`` writes into the open (temporary) file, durable on return
         where :attr:`durable`; returns what ``fill`` returned. A large object is written where it goes, not gathered
         in a buffer first."""
+
+        def filled(fd: int, _: str) -> T:
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                result = fill(f)
+                f.flush()
+            return result
+
+        return self._replace(name, filled)
+
+    def _replace(self, name: str, fill: Callable[[int, str], T]) -> T:
+        """:meth:`write` with ``fill`` given the temporary file's descriptor and path."""
         path = self.root / name
         if self.durable:
             make_dirs_durable(path.parent)
@@ -101,11 +199,12 @@ class LocalObjects:
             path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = self._temp(path)
         try:
-            with os.fdopen(fd, "wb") as f:
-                filled = fill(f)
-                f.flush()
+            try:
+                filled = fill(fd, tmp)
                 if self.durable:
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
