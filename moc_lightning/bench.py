@@ -19,10 +19,12 @@ import abc
 import contextlib
 import copy
 import ctypes
+import errno
 import functools
 import gc
 import itertools
 import math
+import mmap
 import os
 import shutil
 import statistics
@@ -60,6 +62,7 @@ from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.read_speed import evict, read_gbps
 from moc_lightning.replay_driver import WINDOW_PREFIX, ReplayReport
 from moc_lightning.size_model import bytes_written, size_model
+from moc_lightning.storage.objects import DIRECT_ALIGN
 from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
 from moc_lightning.window_file import read_file
 from moc_lightning.window_store import STORAGE_COPIES, memory_head, window_object
@@ -138,11 +141,17 @@ class BenchConfig:
     """Checkpoint interval of every method (MoC persists every snapshot)."""
     warmup_steps: int = 2
     """Leading iterations left out of the mean iteration time (allocator and thread-pool warm-up)."""
-    replay_window: int = 4
-    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration, completing a window every W."""
-    replay_persist_every_n_windows: int = 1
+    replay_window: int = 8
+    """W of ``moc_replay`` (``checkpoint.replay.window``): it captures every iteration, completing a window every W.
+    8 rather than the callback's 4: a larger W copies less per iteration (small_16e: 59.6 MB against 84.5 MB at 4,
+    a stall of 2.5% of an iteration against 4.2% on the 2-core reference machine) and replays up to 7 iterations on
+    recovery (1.3-2.0 s there)."""
+    replay_persist_every_n_windows: int = 4
     """``moc_replay``'s ``checkpoint.replay.persist_every_n_windows``: every window goes to shared memory, every this
-    many to storage."""
+    many to storage (the first window of a run included). 4 rather than the callback's 1: on the 2-core reference
+    machine a stored window (477 MB at W=8) takes 0.2-0.5 s from training beside it even when written around the
+    page cache, which at every window is 20-40% of iteration time; the line after the table gives the write
+    bandwidth the storage level needs at this interval."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Methods to run, from :data:`METHODS`."""
     seed: int = 0
@@ -818,22 +827,39 @@ def _state_bytes(trainer: L.Trainer) -> int:
 
 # ------------------------------------------------------------ speed of light
 def write_fsync_gbps(directory: Path, nbytes: int, chunk: int = 64 << 20) -> float:
-    """Sequential ``os.write`` + ``os.fsync`` bandwidth of ``directory``'s storage for ``nbytes``: a persist's bound."""
+    """Sequential write + ``os.fsync`` bandwidth of ``directory``'s storage for ``nbytes``: a persist's bound. The
+    faster of writes through the page cache and direct writes (``O_DIRECT``, where the file system takes them, as
+    a replay window's storage write does: :func:`~moc_lightning.storage.objects.copy_file_direct`)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"speed_of_light.{_rank()}.bin"  # every process measures at once, as they would persist
-    block = memoryview(bytearray(os.urandom(min(chunk, nbytes))))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    size = max(DIRECT_ALIGN, min(chunk, nbytes) // DIRECT_ALIGN * DIRECT_ALIGN)
+    with mmap.mmap(-1, size) as block:  # page-aligned, as a direct write needs
+        block.write(os.urandom(size))
+        with memoryview(block) as view:
+            timings = [_timed_write(path, nbytes, view, 0)]
+            direct = getattr(os, "O_DIRECT", None)
+            if direct is not None:
+                try:
+                    timings.append(_timed_write(path, max(size, nbytes // size * size), view, direct))
+                except OSError as err:
+                    if err.errno != errno.EINVAL:  # the file system takes no direct I/O: the cached write it is
+                        raise
+    return max(written / seconds for written, seconds in timings) / GB
+
+
+def _timed_write(path: Path, nbytes: int, block: memoryview, flags: int) -> tuple[int, float]:
+    """Bytes written to a new ``path`` from ``block`` over and over, and the seconds until they were fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
     try:
         start = time.perf_counter()
         remaining = nbytes
         while remaining > 0:
             remaining -= os.write(fd, block[: min(remaining, len(block))])
         os.fsync(fd)
-        seconds = time.perf_counter() - start
+        return nbytes, time.perf_counter() - start
     finally:
         os.close(fd)
         path.unlink()
-    return nbytes / seconds / GB
 
 
 # ---------------------------------------------------------------- the run
@@ -1212,10 +1238,20 @@ def _replay_lines(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> li
         f"iteration times: {replay['paired_overhead_pct']}% against a no-checkpoint run trained right before it "
         f"({replay['paired_baseline_iter_ms']} ms), {replay['overhead_pct']}% against the run's baseline; CPU time "
         f"of the process per iteration (every thread): {replay.get('paired_cpu_overhead_pct')}% against the run "
-        f"beside it, {replay.get('cpu_overhead_pct')}% against the baseline",
+        f"beside it, {replay.get('cpu_overhead_pct')}% against the baseline{_noise_clause(result, replay)}",
         _window_write_line(result, replay),
         *_restore_lines(replay, result["speed_of_light"]["copy_gbps"]),
     ]
+
+
+def _noise_clause(result: dict[str, Any], replay: dict[str, Any]) -> str:
+    """How far this run's two no-checkpoint fits, the baseline and the one beside ``moc_replay``, lie apart: an
+    overhead smaller than that is not resolved by one run on this host."""
+    beside = replay.get("paired_baseline_iter_ms")
+    if beside is None:
+        return ""
+    apart = abs(beside - result["baseline_iter_ms"]) / result["baseline_iter_ms"] * 100
+    return f"; the two no-checkpoint runs lie {apart:.2f}% apart (what one run can resolve)"
 
 
 def _window_write_line(result: dict[str, Any], replay: dict[str, Any]) -> str:

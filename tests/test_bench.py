@@ -5,7 +5,9 @@ Only sizes are asserted: durations on a shared 2-core machine are too noisy to a
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from moc_lightning import bench
 from moc_lightning.bench import (
     METHODS, BenchConfig, _train_config, disk_bytes, markdown_table, run_bench, scaled_k, tensor_bytes,
 )
@@ -39,8 +42,38 @@ def test_config_rejects_unknown_methods() -> None:
 
 def test_config_rejects_a_replay_window_longer_than_the_run() -> None:
     BenchConfig(steps=3, every_n_train_steps=1, warmup_steps=0, methods=["moc_k1"])  # no moc_replay: W is unused
-    with pytest.raises(ValueError, match=r"steps must be >= replay_window=4, or moc_replay completes no window"):
+    with pytest.raises(ValueError, match=r"steps must be >= replay_window=8, or moc_replay completes no window"):
         BenchConfig(steps=3, every_n_train_steps=1, warmup_steps=0, methods=["moc_replay"])
+
+
+def test_write_bound_is_the_faster_of_cached_and_direct_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay window goes to storage around the page cache where the file system takes direct I/O, so the write
+    bound measures both ways and keeps the faster; where direct I/O is refused (EINVAL: tmpfs before Linux 6.6, some
+    network file systems) the cached write alone, with no error."""
+    times = {0: 2.0, getattr(os, "O_DIRECT", -1): 0.5}  # seconds per write, by open flags
+    tried: list[int] = []
+    real = bench._timed_write
+
+    def timed(path: Path, nbytes: int, block: memoryview, flags: int) -> tuple[int, float]:
+        tried.append(flags)
+        written, _ = real(path, nbytes, block, flags)
+        return written, times[flags]
+
+    monkeypatch.setattr(bench, "_timed_write", timed)
+    nbytes = 3 << 20
+    gbps = bench.write_fsync_gbps(tmp_path / "disk", nbytes, chunk=1 << 20)
+    if hasattr(os, "O_DIRECT") and tried == [0, os.O_DIRECT]:
+        assert gbps == pytest.approx(nbytes / 0.5 / 1e9), "the direct write was the faster"
+    else:
+        pytest.skip(f"{tmp_path} takes no direct I/O (O_DIRECT): only the cached write was measured")
+
+    def refused(path: Path, nbytes: int, block: memoryview, flags: int) -> tuple[int, float]:
+        if flags:
+            raise OSError(errno.EINVAL, "direct I/O refused", str(path))
+        return real(path, nbytes, block, flags)[0], times[flags]
+
+    monkeypatch.setattr(bench, "_timed_write", refused)
+    assert bench.write_fsync_gbps(tmp_path / "disk", nbytes, chunk=1 << 20) == pytest.approx(nbytes / 2.0 / 1e9)
 
 
 def test_tensor_bytes_reads_dcp_metadata_and_torch_save_files(tmp_path: Path) -> None:
@@ -151,7 +184,8 @@ def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> No
     its overhead is also measured against a no-checkpoint run right beside it, and its recovery includes the
     replay, reported apart too. Failed on b4ba765 (no such method)."""
     cfg = BenchConfig(model=GPTMoEConfig(block_size=32), steps=8, every_n_train_steps=4, warmup_steps=1,
-                      replay_window=4, methods=["moc_k1", "moc_replay"], work_dir=str(tmp_path / "work"),
+                      replay_window=4, replay_persist_every_n_windows=1, methods=["moc_k1", "moc_replay"],
+                      work_dir=str(tmp_path / "work"),
                       shm_root=str(tmp_path))  # fmt: skip
     result = run_bench(cfg, tmp_path)
     rows = {row["name"]: row for row in result["methods"]}
@@ -180,6 +214,8 @@ def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> No
         assert f"{ratio}x the " in table and f"(bound 2x: {'met' if ratio <= 2 else 'not met'})" in table, level
     assert "| moc_replay |" in table
     assert f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration" in table
+    apart = abs(replay["paired_baseline_iter_ms"] - baseline) / baseline * 100
+    assert f"the two no-checkpoint runs lie {apart:.2f}% apart (what one run can resolve)" in table
     needed = replay["bytes_per_checkpoint"] / (4 * result["baseline_iter_ms"] / 1000) / 1e9  # a window every 4 steps
     assert (f"moc_replay storage level: a window of {replay['bytes_per_checkpoint'] / 1e6:.1f} MB every 4 iterations "
             f"needs {needed:.3f} GB/s of write+fsync; measured {result['speed_of_light']['write_fsync_gbps']} GB/s") in table

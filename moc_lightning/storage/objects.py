@@ -94,7 +94,7 @@ def copy_file_direct(source: Path, fd: int, path: str) -> int:
     allocated or written back by kernel threads beside training. The last bytes short of :data:`DIRECT_ALIGN` go
     through ``fd``. A 356 MB window from shared memory to this host's disk beside a 2-thread matmul loop (an ad-hoc
     script, 3 runs): 0.31-0.36 s against 0.71-0.81 s through the cache, and the loop lost 0.11-0.13 s against
-    0.31-0.40 s. Where direct I/O is refused (tmpfs, some network file systems), :func:`copy_file` through ``fd``.
+    0.31-0.40 s. Where direct I/O is refused (tmpfs before Linux 6.6, some network file systems), :func:`copy_file` through ``fd``.
     """
     size = source.stat().st_size
     direct = _open_direct(path) if size >= DIRECT_ALIGN else None
