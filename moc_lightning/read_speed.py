@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from moc_lightning.sealed import checksum
+from moc_lightning.sealed import checksum_view
 
 GB = 1e9
 CHUNK = 64 << 20
@@ -39,7 +39,7 @@ def evict(path: Path) -> None:
 
 def read_through(path: Path, chunk: int = CHUNK, crc: bool = False) -> tuple[int, int | None]:
     """Read ``path`` sequentially, one large read at a time, leaving its pages in the page cache; returns the bytes
-    read and, with ``crc``, their CRC32C (each chunk then costs one more copy: the checksum takes bytes only).
+    read and, with ``crc``, their CRC32C (:func:`~moc_lightning.sealed.checksum_view` of each chunk).
 
     A restore from a mapped storage object reads it so first: one large read at a time, as the bound
     :func:`read_gbps` does (without a checksum), rather than a page fault per page while its tensors are copied
@@ -51,7 +51,7 @@ def read_through(path: Path, chunk: int = CHUNK, crc: bool = False) -> tuple[int
         while n := f.readinto(buffer):
             read += n
             if digest is not None:
-                digest = checksum(bytes(view[:n]), digest)
+                digest = checksum_view(view[:n], digest)
     return read, digest
 
 

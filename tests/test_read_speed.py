@@ -3,12 +3,13 @@ its pages evicted from the page cache first, as the benchmark evicts the replay 
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
 
 from moc_lightning.read_speed import evict, read_gbps, read_through
-from moc_lightning.sealed import checksum
+from moc_lightning.sealed import CHECKSUM_SLICE, checksum, checksum_view
 
 
 def test_the_read_bound_reads_a_fresh_file_of_the_size_and_removes_it(tmp_path: Path) -> None:
@@ -33,3 +34,17 @@ def test_reading_a_file_through_reads_every_byte_in_chunks(tmp_path: Path) -> No
     path.write_bytes(data)
     assert read_through(path, chunk=1 << 20) == (len(data), None)
     assert read_through(path, chunk=1 << 20, crc=True) == (len(data), checksum(data)), "the CRC32C of every chunk"
+
+
+@pytest.mark.parametrize("size", [0, 1, CHECKSUM_SLICE - 1, CHECKSUM_SLICE, 3 * CHECKSUM_SLICE + 5])
+def test_a_buffer_checksummed_a_slice_at_a_time_has_the_crc32c_of_its_bytes(tmp_path: Path, size: int) -> None:
+    """:func:`checksum_view` takes what ``checksum`` does not (a mapping, a memoryview of a reused buffer), in slices
+    that need not divide it, continuing a CRC32C begun elsewhere."""
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    path = tmp_path / "window"
+    path.write_bytes(data)
+    assert checksum_view(bytearray(data)) == checksum(data)
+    assert checksum_view(memoryview(b"head" + data)[4:], checksum(b"before")) == checksum(data, checksum(b"before"))
+    if size:
+        with path.open("rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapping:
+            assert checksum_view(mapping) == checksum(data)

@@ -24,7 +24,7 @@ from typing import BinaryIO, TypeVar
 
 import tensorstore as ts
 
-from moc_lightning.sealed import checksum
+from moc_lightning.sealed import checksum, checksum_view
 
 T = TypeVar("T")
 
@@ -81,11 +81,6 @@ DIRECT_ALIGN = 4096
 """Offsets and lengths of direct writes are multiples of this (the logical block size of common devices); the
 mapping they are written from is page-aligned."""
 
-CHECKSUM_SLICE = 256 << 10
-"""Bytes per checksum call of :func:`copy_file_direct`: the checksum takes ``bytes`` only, so each slice of the
-mapping is copied first, small enough to stay in a core's cache (an 8 MiB slice costs a fresh allocation each)."""
-
-
 def copy_file_direct(source: Path, fd: int, path: str) -> int:
     """Write the bytes of file ``source`` into the empty file ``path`` open as ``fd``; returns their CRC32C.
 
@@ -122,7 +117,7 @@ def _copy_direct(source: Path, size: int, direct: int, fd: int) -> int:
         crc, aligned = 0, size - size % DIRECT_ALIGN
         for start in range(0, aligned, DIRECT_CHUNK):
             end = min(start + DIRECT_CHUNK, aligned)
-            crc = _checksum_slices(mapping, start, end, crc)
+            crc = checksum_view(view[start:end], crc)
             _write_all(direct, view[start:end])
         crc = checksum(mapping[aligned:], crc)
         os.pwrite(fd, view[aligned:], aligned)
@@ -144,12 +139,6 @@ def _open_direct(path: str) -> int | None:
         if err.errno == errno.EINVAL:
             return None
         raise
-
-
-def _checksum_slices(mapping: mmap.mmap, start: int, end: int, crc: int) -> int:
-    for at in range(start, end, CHECKSUM_SLICE):
-        crc = checksum(mapping[at : min(at + CHECKSUM_SLICE, end)], crc)
-    return crc
 
 
 def _write_all(fd: int, data: memoryview) -> None:
