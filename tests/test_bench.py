@@ -215,7 +215,7 @@ def test_replay_row_measures_every_iteration_beside_moc_k1(tmp_path: Path) -> No
     assert "| moc_replay |" in table
     assert f"moc_replay overhead: its stall is {replay['stall_overhead_pct']}% of a no-checkpoint iteration" in table
     apart = abs(replay["paired_baseline_iter_ms"] - baseline) / baseline * 100
-    assert f"the two no-checkpoint runs lie {apart:.2f}% apart (what one run can resolve)" in table
+    assert f"the two no-checkpoint runs lie {apart:.2f}% apart (a floor under this run's noise, not a bound)" in table
     needed = replay["bytes_per_checkpoint"] / (4 * result["baseline_iter_ms"] / 1000) / 1e9  # a window every 4 steps
     assert (f"moc_replay storage level: a window of {replay['bytes_per_checkpoint'] / 1e6:.1f} MB every 4 iterations "
             f"needs {needed:.3f} GB/s of write+fsync; measured {result['speed_of_light']['write_fsync_gbps']} GB/s") in table
