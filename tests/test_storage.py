@@ -191,7 +191,7 @@ def test_put_file_writes_around_the_page_cache_where_the_file_system_allows_it(
     system takes direct I/O the copy goes around the cache (only the short last page through it), in several chunks,
     with the same bytes and CRC32C, and leaves no temp file. Failed on 689f391: 84 of 84 pages went through."""
     if not _takes_direct_io(tmp_path):
-        pytest.skip(f"the file system of {tmp_path} takes no direct I/O (O_DIRECT), so no write can go around its cache")
+        pytest.skip(f"the file system of {tmp_path} takes no direct I/O (O_DIRECT): no write can go around its cache")
     monkeypatch.setattr(objects, "DIRECT_CHUNK", 1 << 16)
     source = tmp_path / "window in shared memory"
     source.write_bytes(os.urandom((5 << 16) + 4096 * 3 + 7))

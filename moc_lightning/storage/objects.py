@@ -81,6 +81,10 @@ DIRECT_ALIGN = 4096
 """Offsets and lengths of direct writes are multiples of this (the logical block size of common devices); the
 mapping they are written from is page-aligned."""
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map every page of the source at once: tmpfs pages faulted in one at a time cost more than the copy."""
+
+
 def copy_file_direct(source: Path, fd: int, path: str) -> int:
     """Write the bytes of file ``source`` into the empty file ``path`` open as ``fd``; returns their CRC32C.
 
@@ -89,8 +93,8 @@ def copy_file_direct(source: Path, fd: int, path: str) -> int:
     allocated or written back by kernel threads beside training. The last bytes short of :data:`DIRECT_ALIGN` go
     through ``fd``. A 356 MB window from shared memory to this host's disk beside a 2-thread matmul loop (an ad-hoc
     script, 3 runs): 0.31-0.36 s against 0.71-0.81 s through the cache, and the loop lost 0.11-0.13 s against
-    0.31-0.40 s. Where direct I/O is refused (tmpfs before Linux 6.6, some network file systems), :func:`copy_file` through ``fd``.
-    """
+    0.31-0.40 s. Where direct I/O is refused (tmpfs before Linux 6.6, some network file systems),
+    :func:`copy_file` through ``fd``."""
     size = source.stat().st_size
     direct = _open_direct(path) if size >= DIRECT_ALIGN else None
     if direct is not None:
@@ -122,10 +126,6 @@ def _copy_direct(source: Path, size: int, direct: int, fd: int) -> int:
         crc = checksum(mapping[aligned:], crc)
         os.pwrite(fd, view[aligned:], aligned)
     return crc
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-"""Map every page of the source at once: tmpfs pages faulted in one at a time cost more than the copy."""
 
 
 def _open_direct(path: str) -> int | None:
