@@ -23,6 +23,20 @@ def os_error(code: int, name: str) -> OSError:
     return OSError(code, os.strerror(code), name)
 
 
+def takes_direct_io(directory: Path) -> bool:
+    """Whether files under ``directory`` can be opened for direct I/O (Linux; tmpfs before 6.6 refuses it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / ".direct-io-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
 class FaultyStorage:
     """``inner``, except that chosen DCP writes and control-object puts fail with an ``OSError``.
 

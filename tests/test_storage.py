@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import zarr
 from dist_utils import run_ranks
+from storage_faults import takes_direct_io
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -154,20 +155,6 @@ def test_put_file_returns_the_crc32c_of_the_bytes_it_stored(
     assert crc == checksum(stored), f"returned {crc}, the bytes read back have CRC32C {checksum(stored):08x}"
 
 
-def _takes_direct_io(directory: Path) -> bool:
-    """Whether files under ``directory`` can be opened for direct I/O (Linux; tmpfs before 6.6 refuses it)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / ".direct-io-probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-    return True
-
-
 def _resident_pages(path: Path) -> tuple[int, int]:
     """Pages of file ``path`` in the page cache, and all its pages (``mincore`` of a mapping of it)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -190,7 +177,7 @@ def test_put_file_writes_around_the_page_cache_where_the_file_system_allows_it(
     cache it allocates a page per 4 KiB and leaves writeback to kernel threads, all beside training. Where the file
     system takes direct I/O the copy goes around the cache (only the short last page through it), in several chunks,
     with the same bytes and CRC32C, and leaves no temp file. Failed on 689f391: 84 of 84 pages went through."""
-    if not _takes_direct_io(tmp_path):
+    if not takes_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} takes no direct I/O (O_DIRECT): no write can go around its cache")
     monkeypatch.setattr(objects, "DIRECT_CHUNK", 1 << 16)
     source = tmp_path / "window in shared memory"
@@ -211,7 +198,7 @@ def test_put_file_starts_over_through_the_page_cache_when_a_direct_write_is_refu
     """A file system may open a file for direct I/O and then refuse a write (EINVAL: a device whose blocks are larger
     than :data:`objects.DIRECT_ALIGN`). The put starts over through the cache: the object holds the source's bytes
     only, under their CRC32C. Any other error fails the put, leaving the old object."""
-    if not _takes_direct_io(tmp_path):
+    if not takes_direct_io(tmp_path):
         pytest.skip(f"the file system of {tmp_path} takes no direct I/O (O_DIRECT): no direct write to refuse")
     source = tmp_path / "window"
     source.write_bytes(os.urandom((3 << 16) + 11))
