@@ -160,6 +160,7 @@ class MoCCheckpoint(Checkpoint):
         if not isinstance(trainer.strategy.checkpoint_io, _MoCCheckpointIO):
             trainer.strategy.checkpoint_io = _MoCCheckpointIO(trainer.strategy.checkpoint_io, self)
         _route_strategy_loads(trainer.strategy)
+        _complete_restores_in_restore(trainer)
         if stage == "fit":
             if self.config.mode == "replay":
                 check_strategy(trainer, pl_module)
@@ -294,7 +295,9 @@ class MoCCheckpoint(Checkpoint):
     ) -> dict[str, Any]:
         """``mode=replay``: resume at the end of the newest window every rank has in shared memory or in storage
         (:meth:`WindowStore.restore`, which re-stores it where only memory held it). Its trainer state goes to
-        Lightning now; the model and optimizer reach that step by the replay in :meth:`on_train_start`."""
+        Lightning now; the model and optimizer reach that step by the replay in :meth:`complete_restore`, which
+        Lightning's restore calls once the strategy and optimizers are set up. Until then the engine refuses every
+        snapshot and persist (:class:`~moc_lightning.completeness.RestoreGuard`)."""
         engine = self.engine
         found = self.windows.restore(manifest.lineage)
         log = found.log if found is not None else None
@@ -306,6 +309,7 @@ class MoCCheckpoint(Checkpoint):
         if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
             return self._fresh_checkpoint(module, "no replay window of this run that every rank completed")
         self._to_replay = found
+        engine.completeness.begin(f"the replay of the window from step {log.start_step} to step {log.end_step}")
         return self._checkpoint_from(dict(log.trainer_state), module, optimizer)
 
     def _newest_weights(self, module: L.LightningModule) -> dict[str, Any]:
@@ -595,8 +599,7 @@ class MoCCheckpoint(Checkpoint):
         """This rank's RNG streams as they were after the resume step, set just before the next step runs:
         Lightning's set-up after loading (the train loader's iterator, ...) would otherwise draw from them."""
         self._begin_lineage_unless_resumed(trainer)
-        if self._to_replay is not None:
-            self._replay(trainer, pl_module)
+        self.engine.completeness.check("training")
         if self._rng_to_restore is not None:
             _set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
@@ -604,12 +607,35 @@ class MoCCheckpoint(Checkpoint):
             self._warned_not_resumable = True
             trainer_state.warn_if_not_resumable(trainer)
 
+    def complete_restore(self, trainer: L.Trainer) -> None:
+        """Finish a restore Lightning has loaded: ``mode=replay`` recomputes the restored window (:mod:`replay_driver`)
+        here, inside Lightning's restore (after it loaded the loops, optimizers and schedulers, before the sanity check,
+        the loop, any hook that follows the restore, or ``on_fit_end``'s final persist), so nothing observes the model
+        at the window's start, even where the loop runs no batch (a resume at ``max_steps``, a stop requested before
+        the first batch). Called by the hook :func:`_complete_restores_in_restore` installs; nothing to do otherwise."""
+        if self._to_replay is not None:
+            self._replay(trainer, trainer.lightning_module)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_restored("validation")
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_restored("test")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_restored("prediction")
+
+    def _check_restored(self, what: str) -> None:
+        """An evaluation of a model whose restore failed half-way (a fit that raised inside it) is refused."""
+        if self.engine is not None:
+            self.engine.completeness.check(what)
+
     def _replay(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """``mode=replay``: recompute the restored window before the first new step (:mod:`replay_driver`)."""
         found, self._to_replay = self._to_replay, None
         report = self.replay_report = replay_window(
             trainer, pl_module, self.engine.pec.layout, found.log, found.source, found.nbytes, found.read_seconds
         )
+        self.engine.completeness.complete()
         self._write_report({"mode": "replay", **dataclasses.asdict(report)})
         if self.tokens is not None:
             self.tokens.take()  # the replay's routing was counted in the faulty run already
@@ -747,6 +773,32 @@ def _route_strategy_loads(strategy: Strategy) -> None:
 
     strategy.load_checkpoint = load_checkpoint
     strategy._moc_routed = True
+
+
+def _complete_restores_in_restore(trainer: L.Trainer) -> None:
+    """Make the end of Lightning's restore (``restore_training_state``: loops, optimizers, schedulers, after the
+    strategy's set-up) call :meth:`MoCCheckpoint.complete_restore` of the Trainer's MoC callbacks. Lightning offers no
+    hook there: ``on_train_start`` comes after the sanity check and not at all where the loop has nothing left to run,
+    and ``on_fit_start`` comes before a strategy that restores after its set-up (``ModelParallelStrategy``) has
+    restored. Installed once per Trainer; a Lightning without that method is refused, rather than resumed half-way."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector, "_moc_completes", False):
+        return
+    original = getattr(connector, "restore_training_state", None)
+    if original is None:
+        raise RuntimeError(
+            f"lightning {L.__version__} has no _CheckpointConnector.restore_training_state, where MoC completes a "
+            "restore before training; install a lightning version the project supports (pyproject.toml)"
+        )
+
+    def restore_training_state() -> None:
+        original()
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, MoCCheckpoint):
+                callback.complete_restore(trainer)
+
+    connector.restore_training_state = restore_training_state
+    connector._moc_completes = True
 
 
 def _restore_param_groups(optimizers: Sequence[torch.optim.Optimizer], saved: Sequence[dict[str, Any]]) -> None:

@@ -362,6 +362,7 @@ class PECCheckpointer:
         trainer_state: str | None = None,
         before_commit: Callable[[], None] | None = None,
         supersede: bool = False,
+        digests: tuple[str, ...] = (),
     ) -> SaveReport:
         """Write ``units`` whole and ``parts`` (part keys of other units, :meth:`partial_parts`), all ranks' share,
         as checkpoint ``step`` and commit it in the manifest.
@@ -370,7 +371,8 @@ class PECCheckpointer:
         ``from_slot`` it writes those tensors (a snapshot slot: whole units it owns) as they are, and
         ``engine_state``/``trainer_state`` are the states captured with that snapshot. Every rank's own
         ``trainer_state`` is written as its bytes item :data:`RANK_STATE`; the coordinator's also goes into
-        ``moc.json``, the fallback for a rank that finds no item of its own (a larger world size).
+        ``moc.json``, the fallback for a rank that finds no item of its own (a larger world size). ``digests``: what
+        the record keeps of a final persist's live state (:attr:`CheckpointRecord.digests`).
         """
         start = time.perf_counter()
         name = checkpoint_name(step, final=supersede)
@@ -413,6 +415,7 @@ class PECCheckpointer:
             world_size=self.topology.world_size,
             ep=self.topology.ep,
             backend=self.backend,
+            digests=digests,
         )
         retired: list[str] = []
         if self._is_coordinator:

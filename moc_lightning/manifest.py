@@ -53,6 +53,9 @@ class CheckpointRecord:
     """Storage backend (``filesystem`` or ``tensorstore``)."""
     parts: tuple[str, ...] = ()
     """Part keys (``expert/L0/E3/weights``) of the units stored here as that part only (``pec_scope``)."""
+    digests: tuple[str, ...] = ()
+    """A final persist's: per rank, the digest of the live state it wrote (:func:`~moc_lightning.completeness.state_digest`
+    of the rank's pieces), which a later "persisted already" decision compares with the live state; empty otherwise."""
 
     def holds(self, unit_key: str, part: str | None = None) -> bool:
         """Whether the unit is stored here whole or, with ``part``, whether that part of it is."""
@@ -145,7 +148,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this manifest (what :meth:`to_json` seals)."""
-        records = [{k: v for k, v in asdict(r).items() if k != "parts" or v} for r in self.records]
+        records = [{k: v for k, v in asdict(r).items() if k not in _OPTIONAL_FIELDS or v} for r in self.records]
         raw: dict[str, Any] = {"format": FORMAT_VERSION, "records": records}
         if self.lineage is not None:
             raw["lineage"] = self.lineage.to_json()
@@ -179,6 +182,8 @@ class Manifest:
         return cls(parsed, lineage)
 
 
+_OPTIONAL_FIELDS = ("parts", "digests")
+"""Record fields written only when not empty (a manifest from before they existed reads the same)."""
 _FIELD_TYPES = {"name": str, "step": int, "strategy": str, "world_size": int, "ep": int, "backend": str}
 
 
@@ -194,6 +199,9 @@ def _record(raw: object) -> CheckpointRecord:
     parts = raw.get("parts", [])
     if not isinstance(parts, list) or not all(isinstance(p, str) and p.rpartition("/")[2] in PARTS for p in parts):
         raise ManifestError(f"manifest record field 'parts' must be a list of part keys, got {parts!r:.80}")
+    digests = raw.get("digests", [])
+    if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
+        raise ManifestError(f"manifest record field 'digests' must be a list of strings, got {digests!r:.80}")
     if raw["step"] < 0 or raw["world_size"] < 1 or raw["ep"] < 1 or "/" in raw["name"] or not raw["name"]:
         raise ManifestError(f"manifest record {raw['name']!r} has out-of-range fields")
     return CheckpointRecord(
@@ -205,4 +213,5 @@ def _record(raw: object) -> CheckpointRecord:
         ep=raw["ep"],
         backend=raw["backend"],
         parts=tuple(parts),
+        digests=tuple(digests),
     )

@@ -51,9 +51,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moc_lightning.agreement import from_coordinator
+from moc_lightning.agreement import from_coordinator, gather
 from moc_lightning.background import background_executor, spare_core
 from moc_lightning.checkpointer import PECCheckpointer, PersistFailed, SaveReport, UnreadableCheckpoint
+from moc_lightning.completeness import RestoreGuard, state_digest
 from moc_lightning.distributed import collective_device
 from moc_lightning.faults import FaultInjector
 from moc_lightning.lineage import Lineage
@@ -165,6 +166,9 @@ class TwoLevelCheckpointer:
         self.store = snapshots
         self.faults = faults or FaultInjector(None, pec.topology.rank)
         self.stats = CheckpointStats()
+        self.completeness = RestoreGuard()
+        """Whether the live state is restored completely: no snapshot or persist is taken while a restore is pending
+        (a recovery here, a replay-mode resume in the callback)."""
         self._copier = background_executor("moc-snapshot")
         self._persister = background_executor("moc-persist")
         self._snapshot: _PendingSnapshot | None = None
@@ -214,6 +218,7 @@ class TwoLevelCheckpointer:
         the copy of the other host tensors and the commit to the copy thread; :meth:`wait_snapshot` joins it.
         ``may_persist=False``: never persist this one (the last step, which :meth:`persist_final` writes whole);
         the same on every rank."""
+        self.completeness.check(f"the snapshot of step {step}")
         self.wait_snapshot()
         taking = time.perf_counter()
         if self._reservation is not None:
@@ -397,20 +402,32 @@ class TwoLevelCheckpointer:
 
         However training ended (``max_steps``, ``max_epochs``, early stopping, a user's stop), the last step
         ends up in one complete checkpoint: a partial persist of the same step is superseded (written apart,
-        then replaced in the manifest). Returns ``None`` when a complete checkpoint of ``step`` is committed
-        already. The decision is the coordinator's reading of the manifest, shared with every rank.
+        then replaced in the manifest). Returns ``None`` when a complete checkpoint of ``step`` holding the live
+        state is committed already: its record's digests (:attr:`CheckpointRecord.digests`, one per rank) equal
+        the live state's. One that records none, or others (written from another state), is superseded too. The
+        decision is the coordinator's reading of the manifest, shared with every rank, against every rank's digest.
+        Refused while a restore is pending (:class:`~moc_lightning.completeness.IncompleteRestore`).
         """
+        self.completeness.check(f"the final persist of step {step}")
         pec = self.pec
         experts = tuple(ExpertUnit(layer, e) for layer, n in enumerate(pec.layout.num_experts) for e in range(n))
         units = pec.layout.dense_units + experts
         newest = from_coordinator(lambda: pec.read_manifest().latest)
         if newest is not None and newest.step > step:
             return None
+        digests = tuple(gather(state_digest(pec.layout.pieces(pec.layout.units)), pec.process_group))
         supersede = newest is not None and newest.step == step
         if supersede and all(newest.holds(u.key) for u in units):
-            return None
+            if newest.digests == digests:
+                return None
+            if self.rank == 0:
+                print(f"[moc_lightning] the complete checkpoint of step {step} ({newest.name}) does not hold the live "
+                      f"state ({'its digests differ' if newest.digests else 'it records no digest'}); persisting it "
+                      "again from the live state")
         pec.mark_step(step)
-        report = pec.persist(step, units, trainer_state=encode_state(trainer_state), supersede=supersede)
+        report = pec.persist(
+            step, units, trainer_state=encode_state(trainer_state), supersede=supersede, digests=digests
+        )
         self.stats.final_persist = report
         pec.prune_ledger(in_memory=self.store.steps())
         return report
@@ -430,6 +447,7 @@ class TwoLevelCheckpointer:
         """
         start = time.perf_counter()
         self.finish()  # a snapshot of this engine still copying would race the restore (every rank alike)
+        self.completeness.begin("a two-level recovery")
         if manifest is None:
             manifest = from_coordinator(self.pec.read_manifest)
         lineage = manifest.lineage
@@ -460,6 +478,7 @@ class TwoLevelCheckpointer:
             self.pec.commit_lineage(manifest.with_lineage(resumed))
             self.lineage = resumed
         self.pec.base_on(manifest)
+        self.completeness.complete()  # restored, or (None) as before the call
         return report
 
     def _recover_with(
