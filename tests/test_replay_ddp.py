@@ -247,13 +247,14 @@ class BucketLayouts(L.Callback):
     """The gradient buckets DDP reduced in each iteration of a fit (their parameters' names, bucket by bucket): those
     of the backward between the module's ``on_before_backward`` and ``on_after_backward``, which Lightning's loop and
     a replayed iteration call. A comm hook (the default all-reduce's Python twin) notes the buckets; it is
-    registered before MoC's ``on_train_start`` replays (Lightning calls a checkpoint callback's hooks last)."""
+    registered in ``on_fit_start``, once the strategy has wrapped the model and before Lightning's restore, where MoC
+    replays."""
 
     def __init__(self) -> None:
         self.layouts: list[tuple[tuple[str, ...], ...]] = []
         self._pending: list[tuple[str, ...]] = []
 
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         ddp = trainer.strategy.model
         names = {id(p): name for name, p in ddp.module.named_parameters()}
 
