@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test
+.PHONY: setup train test gpu-check
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -21,3 +21,9 @@ train: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+
+# On a GPU node: every CUDA test, the recipe on trainer=gpu, the GPU drill and the quick bench on device memory, under
+# 8 minutes on one GPU, into gpu_check/gpu_report.{json,md} (scripts/gpu_check.py). Without a GPU it says so and exits
+# 0; DRY=1 lists what it would run.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py $(if $(DRY),--dry-run) $(ARGS)
