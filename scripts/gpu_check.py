@@ -261,6 +261,13 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def nvidia_gpus_present() -> bool:
+    """Whether the NVIDIA driver lists a GPU on this node, whatever torch build runs this script (the ``.venv`` of
+    ``requirements/constraints.txt`` holds the CPU build)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_check", help="report and logs directory")
@@ -271,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dry_run(args.gpus if args.gpus is not None else max(found, 1), args.out.resolve()))
         return 0
+    if found == 0 and nvidia_gpus_present():
+        import torch
+
+        print(f"gpu-check: this node has NVIDIA GPUs but torch {torch.__version__} ({sys.executable}) sees none; "
+              "run it with a CUDA build of torch: make gpu-check PY=<that python>")
+        return 2
     if found == 0:
         print("gpu-check: no CUDA GPU here (torch.cuda.is_available() is False); nothing run")
         return 0

@@ -97,6 +97,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_runs_nothing(
         raise AssertionError("a step was started without a GPU")
 
     monkeypatch.setattr(gpu_check, "gpu_count", lambda: 0)
+    monkeypatch.setattr(gpu_check, "nvidia_gpus_present", lambda: False)
     monkeypatch.setattr(gpu_check.subprocess, "Popen", refuse)
     assert gpu_check.main(["--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -137,3 +138,13 @@ def test_the_report_holds_each_steps_and_tests_result_and_the_bench_figures(
     page = (tmp_path / "gpu_report.md").read_text()
     assert "Stand-in GPU" in page and f"| {passing} | passed |" in page and "| moc_k1 | 1.5 |" in page
     assert (tmp_path / "logs" / "slow.log").exists()
+
+
+def test_gpus_that_torch_cannot_see_fail_the_check(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU node running the check with the CPU build of torch (the ``.venv``'s) must not pass as "no GPU"."""
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 0)
+    monkeypatch.setattr(gpu_check, "nvidia_gpus_present", lambda: True)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "has NVIDIA GPUs but torch" in capsys.readouterr().out and not any(tmp_path.iterdir())
