@@ -9,6 +9,7 @@ callback), on the highest-numbered device, so that a path that silently uses dev
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ def test_the_side_stream_copy_overlaps_the_next_forward(tmp_path: Path) -> None:
     expected = {k: v.cpu() for k, v in tensors.items()}
     a = torch.randn(4096, 4096, device=device)
     store = SnapshotStore(tmp_path, pin_device=device)
-    store.write(0, 0, (), tensors, {})  # warm-up: slot mapped, pinned, views built
+    store.write(1, 0, (), tensors, {})  # warm-up: the slot mapped, pinned, its views built
     for _ in range(2):
         a @ a
     begin, forward, copied = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -193,22 +194,25 @@ def test_the_side_stream_copy_overlaps_the_next_forward(tmp_path: Path) -> None:
 @pytest.mark.cuda
 def test_the_optimizer_step_waits_for_an_unfinished_copy(tmp_path: Path) -> None:
     """The training stream is held 0.3 s before the snapshot of step 2, so its side-stream copy (which waits for the
-    training stream's work so far) cannot be done when the next forward and backward are enqueued. ``wait_snapshot``
-    before the optimizer step must block until it is: then the step's in-place update cannot race the copy, and the
-    slot holds step 2's weights and moments bitwise although the step changed them."""
+    training stream's work so far) cannot have run when the snapshot returns. ``wait_snapshot`` before the optimizer
+    step must block the training thread until it has: then the step's in-place update cannot race the copy, and the
+    slot holds step 2's weights and moments bitwise although the step changed them. (The next iteration's forward
+    and backward run before the snapshot here: a host sync in them would end the hold before the wait.)"""
     device = _device()
     model, optimizer = _trained(device)
     engine = _engine(model, optimizer, tmp_path)
     engine.reserve_slots()
+    _forward_backward(model, optimizer, 2)  # the gradients of the step that must wait
     expected = _state(engine)
     _hold(torch.cuda.current_stream(device), 0.3)
+    held = time.perf_counter()
     engine.snapshot(2, {})
-    _forward_backward(model, optimizer, 2)
     engine.wait_snapshot()
+    waited = time.perf_counter() - held
     optimizer.step()
     engine.finish()
     torch.cuda.synchronize()
-    assert engine.stats.wait_seconds[-1] > 0.1, "wait_snapshot returned before the held copy could run"
+    assert waited > 0.25, f"the optimizer step was launched {waited:.3f} s into a 0.3 s hold: before the copy ran"
     after = _state(engine)
     changed = [k for k in expected if not torch.equal(after[k], expected[k])]
     assert changed, "the optimizer step changed nothing: the test would show no race"
