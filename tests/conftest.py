@@ -56,3 +56,16 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("empty", "empty_like"):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *args, _real=real, **kwargs: poison(_real(*args, **kwargs)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked ``cuda(gpus=n)`` is skipped, with the reason, where fewer than ``n`` (default 1) CUDA devices are
+    present; ``make gpu-check`` runs every one of them on a GPU node."""
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        mark = item.get_closest_marker("cuda")
+        if mark is None:
+            continue
+        needed = mark.kwargs.get("gpus", 1)
+        if found < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device(s), found {found} (make gpu-check runs it)"))

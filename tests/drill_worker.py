@@ -1,4 +1,5 @@
-"""A fault drill's job: 4 ranks, EP=2, 2 simulated nodes of 2 ranks, under torch's elastic agent with one restart.
+"""A fault drill's job: 4 ranks, EP=2, 2 simulated nodes of 2 ranks, under torch's elastic agent with one restart
+(``--ranks`` and ``--accelerator gpu``: one rank per GPU over NCCL, EP and ranks per node up to 2).
 
 Besides training with ``MoCCheckpoint`` each rank records, independently of MoC, what a test needs to check a
 recovery: every rank's full state (weights and optimizer) at each snapshot step, the global router counts
@@ -63,8 +64,8 @@ class Capture(L.Callback):
         step = trainer.global_step
         counts, assigned = [], []
         for layer in module.moe_layers():
-            c = layer.tokens_per_expert.clone()
-            a = torch.tensor([layer.tokens_assigned])
+            c = layer.tokens_per_expert.to(module.device, copy=True)  # NCCL reduces device tensors only
+            a = torch.tensor([layer.tokens_assigned], device=module.device)
             dist.all_reduce(c)
             dist.all_reduce(a)
             counts.append(c.tolist())
@@ -92,6 +93,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--mode", default="pec", help="checkpoint.mode")
     parser.add_argument("--window", type=int, default=5, help="checkpoint.replay.window (with --mode replay)")
     parser.add_argument("--drain-persists", action="store_true", help="wait for every persist: none skipped")
+    parser.add_argument("--ranks", type=int, default=RANKS, help="processes (one GPU each with --accelerator gpu)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"], help="gpu: NCCL, one GPU per rank")
     return parser.parse_args()
 
 
@@ -108,20 +111,23 @@ def train(args: argparse.Namespace) -> None:
         persist_every_n_snapshots=args.persist_every,
         storage=StorageConfig(url=(args.out / "ckpt").resolve().as_uri()),
         shm_root=str(args.out / "shm"),
-        ranks_per_node=2,
+        ranks_per_node=min(2, args.ranks),
         retention=10,
         dynamic_k=DynamicKConfig(enabled=False),
     )
     moc = MoCCheckpoint(config)
     shard_size = 2 if args.data_parallel == "hsdp" else None  # a node's ranks; the nodes replicate each other
-    module = GPTMoEModule(MODEL, ep=2, seed=0, data_parallel=args.data_parallel, hsdp_shard_size=shard_size)
+    module = GPTMoEModule(
+        MODEL, ep=min(2, args.ranks), seed=0, data_parallel=args.data_parallel, hsdp_shard_size=shard_size
+    )
     data = LMDataModule(DataConfig(batch_size=4), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=RANKS,
+        accelerator=args.accelerator,
+        devices=args.ranks,
         strategy=(
-            ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1) if args.data_parallel in ("fsdp2", "hsdp")
-            else DDPStrategy(process_group_backend="gloo")
+            ModelParallelStrategy(data_parallel_size=args.ranks, tensor_parallel_size=1)
+            if args.data_parallel in ("fsdp2", "hsdp")
+            else DDPStrategy(process_group_backend="nccl" if args.accelerator == "gpu" else "gloo")
         ),
         max_steps=args.max_steps,
         limit_val_batches=0,
@@ -135,4 +141,5 @@ def train(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    standalone(train, (parse(),), RANKS, max_restarts=1)
+    arguments = parse()
+    standalone(train, (arguments,), arguments.ranks, max_restarts=1)

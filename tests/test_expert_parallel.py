@@ -26,10 +26,11 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _ep_step(rank: int, world_size: int, ep: int) -> dict:
-    """One forward/backward on this rank's share of the batch; dense grads averaged as DDP would."""
-    model = GPTMoE(CFG, ExpertParallelTopology.from_process_group(ep), seed=0)
-    x, y = _batch()
+def _ep_step(rank: int, world_size: int, ep: int, device: torch.device = torch.device("cpu")) -> dict:
+    """One forward/backward on this rank's share of the batch on ``device``; dense grads averaged as DDP would.
+    Returned on the CPU."""
+    model = GPTMoE(CFG, ExpertParallelTopology.from_process_group(ep), seed=0).to(device)
+    x, y = (t.to(device) for t in _batch())
     share = BATCH // world_size
     _, loss, _ = model(x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])
     loss.backward()
@@ -41,8 +42,8 @@ def _ep_step(rank: int, world_size: int, ep: int) -> dict:
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     return {
-        "loss": mean_loss / world_size,
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "loss": (mean_loss / world_size).cpu(),
+        "grads": {n: p.grad.cpu() for n, p in model.named_parameters()},
         "experts": [layer.local_expert_ids for layer in model.moe_layers()],
     }
 
@@ -50,14 +51,17 @@ def _ep_step(rank: int, world_size: int, ep: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "ep"), [(2, 2), (4, 2)])
 def test_ep_loss_and_gradients_match_single_process(tmp_path: Path, world_size: int, ep: int) -> None:
+    check_against_one_process(run_ranks(_ep_step, world_size, tmp_path, ep), world_size, ep)
+
+
+def check_against_one_process(results: list[dict], world_size: int, ep: int) -> None:
+    """The ranks' loss and gradients (:func:`_ep_step`) are one CPU process's; experts are disjoint within an EP group
+    and replicated across groups."""
     reference = GPTMoE(CFG, seed=0)
     x, y = _batch()
     _, ref_loss, _ = reference(x, y)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-
-    results = run_ranks(_ep_step, world_size, tmp_path, ep)
-
     covered = set()
     for result in results:
         torch.testing.assert_close(result["loss"], ref_loss.detach(), rtol=1e-5, atol=1e-6)

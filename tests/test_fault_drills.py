@@ -41,16 +41,17 @@ unit has a piece on every node: :func:`test_node_loss_under_fsdp2_takes_every_un
 
 def launch_drill(
     out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both", mode: str = "pec",
-    drain_persists: bool = False,
+    drain_persists: bool = False, ranks: int = 4, accelerator: str = "cpu",
 ) -> subprocess.CompletedProcess[str]:
-    """Run the 4-rank job with the fault to its end; a hang fails the test after 400 s. ``drain_persists``: every
-    persist lands before the next snapshot, none is skipped as still in flight (a drill that expects the step-15
-    persist needs it)."""
+    """Run the job (4 ranks unless ``ranks``) with the fault to its end; a hang fails the test after 400 s.
+    ``drain_persists``: every persist lands before the next snapshot, none is skipped as still in flight (a drill that
+    expects the step-15 persist needs it). ``accelerator="gpu"``: one GPU per rank, NCCL."""
     env = dict(os.environ, MOC_FAULT=fault, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "tests/drill_worker.py", "--out", str(out), "--max-steps", str(max_steps),
         "--every", str(EVERY), "--persist-every", str(PERSIST_EVERY), "--data-parallel", data_parallel,
         "--pec-scope", pec_scope, "--mode", mode, "--window", str(EVERY), *(["--drain-persists"] * drain_persists),
+        "--ranks", str(ranks), "--accelerator", accelerator,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -59,11 +60,12 @@ def launch_drill(
 
 def run_drill(
     out: Path, fault: str, max_steps: int = 30, data_parallel: str = "ddp", pec_scope: str = "both",
-    drain_persists: bool = False,
+    drain_persists: bool = False, ranks: int = 4, accelerator: str = "cpu",
 ) -> list[dict]:
-    """Run the 4-rank job with the fault; return each rank's recovery report."""
-    launch_drill(out, fault, max_steps, data_parallel, pec_scope, drain_persists=drain_persists)
-    return [json.loads((out / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(4)]
+    """Run the job with the fault (:func:`launch_drill`); return each rank's recovery report."""
+    launch_drill(out, fault, max_steps, data_parallel, pec_scope, drain_persists=drain_persists, ranks=ranks,
+                 accelerator=accelerator)
+    return [json.loads((out / "run" / "moc_recovery" / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def _capture(out: Path, rank: int, step: int) -> dict:
@@ -127,6 +129,21 @@ def test_crash_without_node_loss_recovers_everything_from_memory(tmp_path: Path,
     assert any(s["level"] == "memory_local" for s in reports[1]["sources"].values())
     check_bitwise(tmp_path, reports)
     assert reports[1]["plt"] == pytest.approx(plt_by_hand(tmp_path, 20, _steps(reports[1])), rel=1e-9)
+
+
+@pytest.mark.cuda
+def test_a_killed_gpu_rank_resumes_bitwise_from_the_snapshots(tmp_path: Path) -> None:
+    """The drill on GPUs (one rank per GPU, up to 2, NCCL, pinned slots, side-stream copies): the last rank is
+    SIGKILLed at step 23, the restarted job takes every unit from the in-memory snapshots of step 20, and every
+    restored tensor, moved host to device, is bitwise its captured version; PLT by hand."""
+    ranks = min(2, torch.cuda.device_count())
+    reports = run_drill(tmp_path, f"rank={ranks - 1},step=23,phase=train", ranks=ranks, accelerator="gpu")
+    for rank, report in enumerate(reports):
+        assert report["resume_step"] == 20
+        assert {s["level"] for s in report["sources"].values()} <= {"memory_local", "memory_peer"}, f"rank {rank}"
+    check_bitwise(tmp_path, reports)
+    faulty = reports[ranks - 1]
+    assert faulty["plt"] == pytest.approx(plt_by_hand(tmp_path, 20, _steps(faulty)), rel=1e-9)
 
 
 @WHOLE_UNIT_MODES

@@ -145,13 +145,3 @@ def test_a_failed_pin_is_an_error_that_says_what_to_check(tmp_path: Path, cudart
     with pytest.raises(RuntimeError, match=r"cudaHostRegister failed on cuda:0 with CUDA error 2 .*\(ulimit -l\)"):
         store.reserve(4096)
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: pins real slots with cudaHostRegister")
-def test_real_slots_pin_and_copy_from_the_device(tmp_path: Path) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    store = SnapshotStore(tmp_path, pin_device=device)
-    tensors = {k: v.to(device) for k, v in _tensors().items()}
-    store.write(0, 1, (), tensors, {})
-    loaded = store.read(store.committed()[0])
-    assert all(torch.equal(loaded[k], v.cpu()) for k, v in tensors.items())
-    store.remove()
