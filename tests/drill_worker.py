@@ -51,8 +51,8 @@ class Capture(L.Callback):
         return {k: v.detach().clone() for k, v in layout.pieces(layout.units).items()}  # fsdp2: this rank's pieces
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        """The restored state, before the first step after a resume: not at ``on_train_start``, which Lightning calls
-        on this callback before MoC's (checkpoint callbacks go last), where ``mode=replay`` replays its window."""
+        """The restored state, before the first step after a resume (``mode=replay`` has replayed its window inside
+        Lightning's restore by then, as by ``on_train_start``)."""
         if trainer.global_step > 0 and not self._saw_start:
             torch.save(
                 {"step": trainer.global_step, "tensors": self._layout_tensors(trainer, module)},

@@ -227,8 +227,8 @@ class CrashedBeforeStored(Exception):
 
 
 class StateAfterReplay(Recorder):
-    """:class:`Recorder`, with the start state taken as the first new step begins (Lightning runs MoC's
-    ``on_train_start``, the replay, after this callback's), and the windows in storage then."""
+    """:class:`Recorder`, with the start state taken as the first new step begins (after the replay, which runs inside
+    Lightning's restore), and the windows in storage then."""
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start_step = trainer.global_step
