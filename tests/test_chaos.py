@@ -313,6 +313,8 @@ def test_completion_and_hang_checks() -> None:
     ok = [{"inc": 0, "rc": 1, "hang": None}, {"inc": 1, "rc": 0, "hang": None}]
     assert check_completes({0: recs[0]}, ok, 24, 1) == []
     assert "rank 1" in check_completes(recs, ok, 24, 2)[0]
+    resumed_at_the_end = {0: [{"inc": 1, "kind": "restored", "step": 24}]}
+    assert check_completes(resumed_at_the_end, ok, 24, 1) == [], "a resume at max_steps has nothing left to train"
     looped = [{"inc": i, "rc": 1, "hang": None, "tail": "boom"} for i in range(5)]
     assert "no clean finish in 5" in check_completes(recs, looped, 24, 2)[0]
     assert check_no_hang(ok) == []
@@ -472,3 +474,27 @@ def test_seeded_trial(seed: int, data_parallel: str, tmp_path_factory: pytest.Te
         assert any(unit in f for f in check_restore(tampered)), f"a wrong source step of {unit} went unnoticed"
     failed = {check: details[:3] for check, details in result.failures.items() if details}
     assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {failed}"
+
+
+REPLAY_TRIAL = (8, TrialConfig(mode="replay", max_steps=8, window=4, persist_windows=2))
+"""A seed and options whose faults are: a kill of rank 2 inside the capture of step 7 and the loss of node 0 (ranks 0
+and 1), so the resume takes the window ending at step 4 from storage on the lost node and from memory on the other,
+replays it and trains to ``max_steps``, where the last window ends."""
+
+
+@pytest.mark.slow
+def test_seeded_replay_trial(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A replay trial agrees bitwise with the fault-free run at every step, at its resume and in its consolidated final
+    checkpoint; on its real records, a resume whose state is off in one tensor must be caught."""
+    seed, cfg = REPLAY_TRIAL
+    root = tmp_path_factory.getbasetemp() / "chaos_replay"
+    reference = reference_records(root, cfg)
+    result = run_trial(seed, root, cfg, reference, keep=True)
+    failed = {check: details[:3] for check, details in result.failures.items() if details}
+    assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {result.verdict} {failed}"
+    assert [f["label"] for f in result.faults] == ["kill:capture", "node_loss"] and all(result.fired)
+    assert result.starts == [(0, 0), (1, 4)], "resumed from the window ending at step 4"
+    records = {r: read_records(root / f"trial-{seed}" / "oracle" / f"rank{r}.jsonl") for r in range(4)}
+    resumed = next(r for r in records[0] if r["kind"] == "restored" and r["step"] > 0)
+    resumed["digests"][next(k for k in resumed["digests"] if k.startswith("optim/"))] = "stale"
+    assert check_resume_state(records, reference), "a restored tensor off the fault-free state went unnoticed"
