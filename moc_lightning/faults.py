@@ -24,7 +24,21 @@ Phases (SIGKILL at):
   self-description and the previous manifest were written, before the new manifest is (only the coordinator
   gets there, so only a plan for rank 0 fires);
 - ``recovery``: inside a two-level recovery, after the units from memory were restored, before storage
-  loads (``step`` is the resume step).
+  loads (``step`` is the resume step);
+- ``persist_write``: inside any persist (PEC's from a snapshot slot, and the final one when ``fit`` ends, replay
+  mode's only persist), after this rank wrote its bytes, before the ranks agree on the write.
+
+Replay mode's phases (``checkpoint.mode=replay``; ``step`` is the global step after the iteration or window named):
+
+- ``capture``: inside the capture of the iteration ending at ``step``, its copies started, not joined;
+- ``handover``: at the hand-over of the window ending at ``step``, the previous window sealed and stored, this one
+  not yet given to the background thread (its slot holds its captures, no head);
+- ``seal``: in the background seal of the window ending at ``step``, its file complete, before its head is written;
+- ``store``: in the storage write of the window ending at ``step`` (also its re-store on resume), its object
+  replaced, before its head is written;
+- ``restore``: inside a resume, after this rank loaded the window ending at ``step``, before the ranks agree that
+  every one did;
+- ``replay``: inside a resume's replay, after the replayed optimizer step that reaches ``step``.
 """
 
 from __future__ import annotations
@@ -34,7 +48,10 @@ import signal
 import sys
 from dataclasses import dataclass
 
-PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit", "recovery")
+PHASES = (
+    "train", "snapshot", "slot_commit", "persist", "manifest_commit", "recovery", "persist_write",
+    "capture", "handover", "seal", "store", "restore", "replay",
+)
 FIELDS = ("rank", "step", "phase", "nth", "incarnation", "node_loss")
 
 

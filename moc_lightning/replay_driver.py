@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from moc_lightning import trainer_state
 from moc_lightning.agreement import check_same
 from moc_lightning.background import background_executor
+from moc_lightning.faults import fault_point
 from moc_lightning.layout import Layout, is_buffer_key
 from moc_lightning.lineage import Lineage
 from moc_lightning.replay import Buffers, Replay, WindowRecord, copy_all
@@ -293,6 +294,7 @@ class WindowCapture:
         copy_all(now)
         if later:
             self.pending = self._copier.submit(_timed_copy, later)
+        fault_point("capture", trainer.global_step)
         self.copy_seconds.append(time.perf_counter() - start)
         self.copied_bytes.append(sum(target.numel() * target.element_size() for _, target, _ in copies))
         log.iterations.append(iteration)
@@ -383,6 +385,7 @@ def replay_window(
             optimizer.step()
             for scheduler in schedulers:
                 scheduler.step()
+            fault_point("replay", log.start_step + i + 1)
         run.finish()
     seconds = time.perf_counter() - start
     return ReplayReport(

@@ -63,6 +63,7 @@ from typing import Any, Protocol
 from moc_lightning.agreement import gather
 from moc_lightning.background import background_executor
 from moc_lightning.checkpointer import AgreedFailure
+from moc_lightning.faults import fault_point
 from moc_lightning.lineage import Lineage
 from moc_lightning.read_speed import read_through
 from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
@@ -201,6 +202,7 @@ class Place:
         head that names other bytes."""
         self.invalidate()
         crc = self.objects.put_file(self.name, source)
+        fault_point("store", head.end_step)
         self.commit(dataclasses.replace(head, crc=crc))
 
     def read_head(self) -> WindowHead | None:
@@ -326,6 +328,7 @@ class WindowStore:
         still in flight) is done. Raises what the previous window's background work raised."""
         start = time.perf_counter()
         self._wait()
+        fault_point("handover", log.end_step)
         index = log.start_step // log.record.window
         self._job = self._worker.submit(self._seal_and_store, log, lineage, index, copied)
         self._job_slot = index % WINDOW_SLOTS
@@ -354,6 +357,7 @@ class WindowStore:
                     start = time.perf_counter()
                     log = chosen.place.load(chosen.head)
                     loaded = (chosen, log, time.perf_counter() - start)
+                    fault_point("restore", end_step)
                 except Exception as err:  # the ranks agree again without it, below
                     self._skip(chosen.place, err)
             if all(gather(loaded is not None)):
@@ -425,6 +429,7 @@ class WindowStore:
         slot = index % WINDOW_SLOTS
         memory = self._place("memory", slot)
         head = WindowHead.of(log, lineage, self.slots[slot].seal(log.tail(lineage)))
+        fault_point("seal", log.end_step)
         memory.commit(head)
         if index % self.persist_every == 0:
             self._store(self.slots[slot].path, head, self._place("storage", index // self.persist_every))

@@ -17,14 +17,28 @@ from torch import nn
 from moc_lightning.chaos.checks import (
     check_completes,
     check_data,
+    check_final_state,
     check_no_hang,
     check_restore,
+    check_resume_state,
+    check_steps,
     moe_prefixes,
     unit_of,
 )
-from moc_lightning.chaos.harness import TrialConfig, damage, draw_faults, reference_records, run_trial
+from moc_lightning.chaos.harness import (
+    REPLAY_KILL_PHASES,
+    TrialConfig,
+    TrialResult,
+    damage,
+    draw_faults,
+    reference_records,
+    run_trial,
+    summary_table,
+    tally,
+)
 from moc_lightning.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
 from moc_lightning.faults import KILL_LINE, FaultInjector, FaultPlan
+from moc_lightning.window_store import head_object, window_object
 from moc_lightning.layout import build_layout
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.gpt_moe import GPTMoE
@@ -229,11 +243,78 @@ def test_data_check_finds_a_replay() -> None:
                         "(and 4 more steps)"]
 
 
+def _state(step: int, timeline: str = "") -> dict[str, str]:
+    """Synthetic digests of a replay run's state after ``step`` (``timeline``: another run's)."""
+    return {"param/model.wte.weight": f"w@{step}{timeline}", "buffer/model.ln.count": f"b@{step}{timeline}",
+            "optim/model.wte.weight/exp_avg": f"m@{step}{timeline}", "lr/0": f"lr@{step}"}
+
+
+REPLAY_REFERENCE = {0: [{"kind": "restored", "step": 0, "digests": _state(0), "report": None}]
+                    + [{"kind": "step", "step": s, "samples": [f"s{s}"], "digests": _state(s)} for s in range(1, 9)]}
+
+
+def _replay_trial(resumed_at: int = 4, restored: dict[str, str] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Incarnation 0 trains steps 1-5 and dies; incarnation 1 resumes at ``resumed_at`` (its replay report says so)
+    from ``restored`` (the fault-free state there by default) and trains to step 8."""
+    recs: list[dict[str, Any]] = [{"inc": 0, "kind": "restored", "step": 0, "digests": _state(0), "report": None}]
+    recs += [{"inc": 0, "kind": "step", "step": s, "samples": [f"s{s}"], "digests": _state(s)} for s in range(1, 6)]
+    report = {"mode": "replay", "resume_step": resumed_at, "plt": 0.0}
+    recs.append({"inc": 1, "kind": "restored", "step": resumed_at, "report": report,
+                 "digests": _state(resumed_at) if restored is None else restored})
+    recs += [{"inc": 1, "kind": "step", "step": s, "samples": [f"s{s}"], "digests": _state(s)}
+             for s in range(resumed_at + 1, 9)]
+    return {0: recs}
+
+
+def test_replay_checks_pass_a_bitwise_resume() -> None:
+    trial = _replay_trial()
+    assert check_steps(trial, REPLAY_REFERENCE) == []
+    assert check_resume_state(trial, REPLAY_REFERENCE) == []
+    assert check_data(trial, REPLAY_REFERENCE) == []
+
+
+def test_resume_state_check_fails_a_restore_off_by_one_tensor_or_a_wrong_report() -> None:
+    """A replay that left one optimizer tensor at the window's start is caught before any step runs on it."""
+    stale = {**_state(4), "optim/model.wte.weight/exp_avg": "m@3"}
+    failures = check_resume_state(_replay_trial(restored=stale), REPLAY_REFERENCE)
+    assert failures == ["rank 0 incarnation 1: restored step 4: 1 tensors differ from the fault-free run's, e.g. "
+                        "['optim/model.wte.weight/exp_avg']"]
+    trial = _replay_trial()
+    trial[0][-5]["report"]["resume_step"] = 8
+    assert "the replay report says resume_step 8" in check_resume_state(trial, REPLAY_REFERENCE)[0]
+
+
+def test_steps_check_fails_every_step_after_a_diverged_resume() -> None:
+    trial = _replay_trial()
+    for record in trial[0][-4:]:
+        record["digests"] = _state(record["step"], timeline="'")
+    assert check_steps(trial, REPLAY_REFERENCE) == [
+        "rank 0 incarnation 1: step 5: 3 tensors differ from the fault-free run's, e.g. "
+        "['buffer/model.ln.count', 'optim/model.wte.weight/exp_avg', 'param/model.wte.weight'] (and 3 more steps)"
+    ]
+
+
+def test_final_state_check_compares_the_consolidated_tensors_with_every_rank() -> None:
+    consolidated = {"weights/model.wte.weight": "w@8", "weights/model.ln.count": "b@8",
+                    "optim/model.wte.weight/exp_avg": "m@8"}
+    assert check_final_state(consolidated, REPLAY_REFERENCE, 8) == []
+    assert check_final_state({**consolidated, "weights/model.wte.weight": "w@4"}, REPLAY_REFERENCE, 8) == [
+        "rank 0: the consolidated step 8: param/model.wte.weight differs"
+    ]
+    missing = {k: v for k, v in consolidated.items() if not k.startswith("optim/")}
+    assert "optim/model.wte.weight/exp_avg is missing" in check_final_state(missing, REPLAY_REFERENCE, 8)[0]
+    extra = check_final_state({**consolidated, "weights/model.other": "x"}, REPLAY_REFERENCE, 8)
+    assert extra == ["the consolidated checkpoint holds 1 tensors no rank had, e.g. ['weights/model.other']"]
+    assert check_final_state("moc-consolidate failed", REPLAY_REFERENCE, 8) == ["moc-consolidate failed"]
+
+
 def test_completion_and_hang_checks() -> None:
     recs = {0: [{"inc": 1, "kind": "step", "step": 24}], 1: [{"inc": 1, "kind": "step", "step": 23}]}
     ok = [{"inc": 0, "rc": 1, "hang": None}, {"inc": 1, "rc": 0, "hang": None}]
     assert check_completes({0: recs[0]}, ok, 24, 1) == []
     assert "rank 1" in check_completes(recs, ok, 24, 2)[0]
+    resumed_at_the_end = {0: [{"inc": 1, "kind": "restored", "step": 24}]}
+    assert check_completes(resumed_at_the_end, ok, 24, 1) == [], "a resume at max_steps has nothing left to train"
     looped = [{"inc": i, "rc": 1, "hang": None, "tail": "boom"} for i in range(5)]
     assert "no clean finish in 5" in check_completes(recs, looped, 24, 2)[0]
     assert check_no_hang(ok) == []
@@ -276,6 +357,34 @@ def test_trial_config_names_a_bad_pec_scope_and_the_choices() -> None:
         TrialConfig(pec_scope="wo")
 
 
+def test_trial_config_names_a_bad_mode_and_what_replay_trials_run() -> None:
+    with pytest.raises(ValueError, match="mode='repaly' is not allowed; choose one of: pec, replay"):
+        TrialConfig(mode="repaly")
+    with pytest.raises(ValueError, match="data_parallel='fsdp2' is not allowed; replay chaos trials run ddp, zero2"):
+        TrialConfig(mode="replay", data_parallel="fsdp2")
+    with pytest.raises(ValueError, match="window=0 is not allowed"):
+        TrialConfig(mode="replay", window=0)
+    cfg = TrialConfig(mode="replay", max_steps=18, window=4, persist_windows=2)
+    assert cfg.window_ends == [4, 8, 12, 16] and cfg.stored_window_ends == [4, 12]
+
+
+def test_replay_faults_are_seeded_and_land_where_each_phase_is_reached() -> None:
+    cfg = TrialConfig(mode="replay", max_steps=16)
+    assert draw_faults(random.Random(5), cfg) == draw_faults(random.Random(5), cfg)
+    drawn = [f for s in range(300) for f in draw_faults(random.Random(s), cfg)]
+    labels = {f.label for f in drawn}
+    assert {f"kill:{phase}" for phase in (*REPLAY_KILL_PHASES, "restore", "replay")} <= labels
+    assert {"node_loss", "damage:window:flip", "damage:head:delete"} <= labels
+    where = {"handover": cfg.window_ends, "seal": cfg.window_ends, "store": cfg.stored_window_ends,
+             "persist_write": [16], "manifest_commit": [16], "train": range(1, 17), "capture": range(1, 17)}
+    for fault in drawn:
+        plan = FaultPlan.parse(fault.plan) if fault.plan else None
+        if plan is not None and plan.incarnation == 0:
+            assert plan.step in where[plan.phase], fault
+        elif plan is not None and plan.phase == "replay":
+            assert 1 <= plan.nth < cfg.window, "after one of the W-1 replayed steps"
+
+
 def test_drawn_faults_are_seeded() -> None:
     cfg = TrialConfig()
     assert draw_faults(random.Random(5), cfg) == draw_faults(random.Random(5), cfg)
@@ -283,6 +392,34 @@ def test_drawn_faults_are_seeded() -> None:
     assert {"kill:train", "kill:snapshot", "kill:slot_commit", "kill:persist", "kill:manifest_commit",
             "kill:recovery", "node_loss"} <= labels
     assert any(label.startswith("damage:") for label in labels)
+
+
+def test_damage_hits_a_ranks_newest_stored_window_or_its_head(tmp_path: Path) -> None:
+    for number in (0, 1):
+        (tmp_path / window_object(2, number)).write_bytes(bytes(64))
+        (tmp_path / head_object(2, number)).write_text("{}")
+        os.utime(tmp_path / window_object(2, number), (number, number))
+    rng = random.Random(0)
+    assert damage(tmp_path, "window", "flip", rng, rank=2).endswith(window_object(2, 1))
+    assert sum((tmp_path / window_object(2, 1)).read_bytes()) > 0, "the newest one"
+    assert sum((tmp_path / window_object(2, 0)).read_bytes()) == 0
+    assert damage(tmp_path, "head", "delete", rng, rank=2) == f"delete {head_object(2, 1)}"
+    assert not (tmp_path / head_object(2, 1)).exists() and (tmp_path / head_object(2, 0)).exists()
+    assert "no stored replay window" in damage(tmp_path, "window", "truncate", rng, rank=3)
+
+
+def test_a_trial_whose_kill_never_fired_is_no_pass() -> None:
+    """Its checks held, but it did not test what it drew: counted apart, and the kill points per phase say so."""
+    faults = [{"kind": "kill", "label": "kill:seal", "plan": "rank=1,phase=seal"},
+              {"kind": "kill", "label": "kill:replay", "plan": "rank=0,phase=replay"}]
+    fired = TrialResult(1, faults[:1], failures={"steps": []}, fired=[True])
+    unfired = TrialResult(2, faults, failures={"steps": []}, fired=[True, False])
+    assert fired.passed and not unfired.passed and unfired.held and unfired.verdict == "UNFIRED kill:replay"
+    summary = tally([fired, unfired])
+    assert summary["passed"] == 1 and summary["failed"] == 0
+    assert summary["unfired"] == [{"seed": 2, "kills": ["kill:replay"]}]
+    assert summary["kills"] == {"replay": {"drawn": 1, "fired": 0}, "seal": {"drawn": 2, "fired": 2}}
+    assert "kill points reached per phase: replay 0/1, seal 2/2" in summary_table(summary)
 
 
 def test_damage_flips_truncates_and_deletes(tmp_path: Path) -> None:
@@ -337,3 +474,27 @@ def test_seeded_trial(seed: int, data_parallel: str, tmp_path_factory: pytest.Te
         assert any(unit in f for f in check_restore(tampered)), f"a wrong source step of {unit} went unnoticed"
     failed = {check: details[:3] for check, details in result.failures.items() if details}
     assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {failed}"
+
+
+REPLAY_TRIAL = (8, TrialConfig(mode="replay", max_steps=8, window=4, persist_windows=2))
+"""A seed and options whose faults are: a kill of rank 2 inside the capture of step 7 and the loss of node 0 (ranks 0
+and 1), so the resume takes the window ending at step 4 from storage on the lost node and from memory on the other,
+replays it and trains to ``max_steps``, where the last window ends."""
+
+
+@pytest.mark.slow
+def test_seeded_replay_trial(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A replay trial agrees bitwise with the fault-free run at every step, at its resume and in its consolidated final
+    checkpoint; on its real records, a resume whose state is off in one tensor must be caught."""
+    seed, cfg = REPLAY_TRIAL
+    root = tmp_path_factory.getbasetemp() / "chaos_replay"
+    reference = reference_records(root, cfg)
+    result = run_trial(seed, root, cfg, reference, keep=True)
+    failed = {check: details[:3] for check, details in result.failures.items() if details}
+    assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {result.verdict} {failed}"
+    assert [f["label"] for f in result.faults] == ["kill:capture", "node_loss"] and all(result.fired)
+    assert result.starts == [(0, 0), (1, 4)], "resumed from the window ending at step 4"
+    records = {r: read_records(root / f"trial-{seed}" / "oracle" / f"rank{r}.jsonl") for r in range(4)}
+    resumed = next(r for r in records[0] if r["kind"] == "restored" and r["step"] > 0)
+    resumed["digests"][next(k for k in resumed["digests"] if k.startswith("optim/"))] = "stale"
+    assert check_resume_state(records, reference), "a restored tensor off the fault-free state went unnoticed"

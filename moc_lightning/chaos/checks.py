@@ -10,6 +10,14 @@
 - ``completes``: the final incarnation ends cleanly with every rank at ``max_steps``;
 - ``no_hang``: no incarnation ran into the harness's timeout or a collective's timeout.
 
+Replay mode (``checkpoint.mode=replay``) promises more: no state is lost, so its trials are held to the fault-free run
+of the same options (with MoC, its oracle), bitwise, instead of ``restore``/``restore_never_saved``:
+
+- ``steps``: the state after every step any incarnation took is the fault-free run's after that step, on that rank;
+- ``resume_state``: every fit's first new step begins from the fault-free state at its step (after a resume, once the
+  replay has run), and MoC's replay report names that step with PLT 0;
+- ``final_state``: the final checkpoint, consolidated, is the fault-free state after ``max_steps``.
+
 A unit's state has two parts, its weights (parameters, buffers) and its optimizer state; under
 ``checkpoint.pec_scope`` other than ``both`` the report gives an expert's ``parts`` their own sources, and each
 part's tensors are checked against the digests of its own step (the learning rates go with the weights).
@@ -23,7 +31,7 @@ block's attention, FFN, norms), and otherwise to its own module (embeddings, fin
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 NEVER = -1
@@ -178,32 +186,124 @@ def _level(claim: tuple[str, str], listed: Mapping[str, Mapping[str, Any]]) -> s
     return source.get("parts", {}).get(part, source).get("level", "n/a")
 
 
-def check_data(records: Records, reference: Records) -> list[str]:
-    """Every recorded step trained on the samples of the uninterrupted run's same step, on the same rank.
-
-    One detail per rank and incarnation: its first wrong step, and how many were wrong."""
+def _unlike_reference(
+    records: Records,
+    expected: Callable[[int], Mapping[int, Any]],
+    kind: str,
+    field: str,
+    describe: Callable[[Mapping[str, Any], Mapping[int, Any]], str],
+) -> list[str]:
+    """The records of ``kind`` whose ``field`` differs from what the reference run had at their step, on their rank:
+    ``expected(rank)`` maps a step to it, ``describe(record, that map)`` says how a record
+    differs. One detail per rank and incarnation: its first wrong record, and how many were wrong."""
     failures = []
     for rank, recs in sorted(records.items()):
-        ref = {r["step"]: r["samples"] for r in reference.get(rank, ()) if r["kind"] == "step"}
-        by_samples = {tuple(v): k for k, v in ref.items()}
+        ref = expected(rank)
         wrong: dict[int, list[str]] = {}
         for r in recs:
-            if r["kind"] != "step" or ref.get(r["step"]) == r["samples"]:
+            if r["kind"] != kind or ref.get(r["step"]) == r[field]:
                 continue
-            if r["step"] not in ref:
-                wrong.setdefault(r["inc"], []).append(f"step {r['step']} is beyond the reference run")
-                continue
-            other = by_samples.get(tuple(r["samples"]))
-            seen = f"the samples of step {other} (a replay or skip)" if other is not None else "other samples"
-            wrong.setdefault(r["inc"], []).append(f"step {r['step']} trained on {seen}")
-        for inc, steps in sorted(wrong.items()):
-            more = f" (and {len(steps) - 1} more steps)" if len(steps) > 1 else ""
-            failures.append(f"rank {rank} incarnation {inc}: {steps[0]}{more}")
+            text = describe(r, ref) if r["step"] in ref else f"step {r['step']} is beyond the reference run"
+            wrong.setdefault(r["inc"], []).append(text)
+        for inc, texts in sorted(wrong.items()):
+            more = f" (and {len(texts) - 1} more {'steps' if kind == 'step' else 'resumes'})" if len(texts) > 1 else ""
+            failures.append(f"rank {rank} incarnation {inc}: {texts[0]}{more}")
+    return failures
+
+
+def check_data(records: Records, reference: Records) -> list[str]:
+    """Every recorded step trained on the samples of the uninterrupted run's same step, on the same rank."""
+
+    def samples(rank: int) -> dict[int, list[str]]:
+        return {r["step"]: r["samples"] for r in reference.get(rank, ()) if r["kind"] == "step"}
+
+    def describe(record: Mapping[str, Any], ref: Mapping[int, list[str]]) -> str:
+        other = next((step for step, seen in ref.items() if seen == record["samples"]), None)
+        seen = f"the samples of step {other} (a replay or skip)" if other is not None else "other samples"
+        return f"step {record['step']} trained on {seen}"
+
+    return _unlike_reference(records, samples, "step", "samples", describe)
+
+
+def reference_states(reference: Records, rank: int) -> dict[int, Mapping[str, str]]:
+    """Step -> the digests of the fault-free run's state on ``rank`` after that step; step 0: the state its first step
+    began from (its first ``restored`` record, :class:`~moc_lightning.chaos.oracle.AfterRestore`)."""
+    recs = reference.get(rank, ())
+    states = {r["step"]: r["digests"] for r in recs if r["kind"] == "step"}
+    initial = next((r["digests"] for r in recs if r["kind"] == "restored" and r["step"] == 0), None)
+    return states if initial is None else {0: initial, **states}
+
+
+def _differing(record: Mapping[str, Any], ref: Mapping[int, Mapping[str, str]]) -> str:
+    """How a record's digests differ from the fault-free ones of its step: how many tensors, and the first few."""
+    want, have = ref[record["step"]], record["digests"]
+    bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+    return f"step {record['step']}: {len(bad)} tensors differ from the fault-free run's, e.g. {bad[:3]}"
+
+
+def check_steps(records: Records, reference: Records) -> list[str]:
+    """Replay mode: the state after every step any incarnation took equals, bitwise, the fault-free run's state after
+    the same step on the same rank (every parameter, buffer, optimizer state tensor and learning rate)."""
+    return _unlike_reference(records, lambda rank: reference_states(reference, rank), "step", "digests", _differing)
+
+
+def check_resume_state(records: Records, reference: Records) -> list[str]:
+    """Replay mode: every fit's first new step (after a resume: after its replay) begins from, bitwise, the fault-free
+    run's state at that step; where MoC reported a resume, its report names that step and lost no token."""
+    failures = _unlike_reference(
+        records, lambda rank: reference_states(reference, rank), "restored", "digests",
+        lambda record, ref: "restored " + _differing(record, ref),
+    )
+    for rank, recs in sorted(records.items()):
+        for r in recs:
+            report = r.get("report") if r["kind"] == "restored" else None
+            if report is not None and (report.get("resume_step") != r["step"] or report.get("plt") != 0):
+                failures.append(f"rank {rank} incarnation {r['inc']}: trains from step {r['step']}, but the replay "
+                                f"report says resume_step {report.get('resume_step')} with PLT {report.get('plt')}")
+    return failures
+
+
+def consolidated_key(key: str) -> str | None:
+    """The key of a digest key's tensor in a consolidated checkpoint's digests (:func:`check_final_state`):
+    ``weights/<name>`` for a parameter or buffer, ``optim/...`` as it is; ``None`` for a learning rate (the
+    consolidated checkpoint holds tensors only)."""
+    kind, _, rest = key.partition("/")
+    if kind in ("param", "buffer"):
+        return f"weights/{rest}"
+    return key if kind == "optim" else None
+
+
+def check_final_state(consolidated: Mapping[str, str] | str, reference: Records, max_steps: int) -> list[str]:
+    """Replay mode: the final checkpoint, consolidated (``moc-consolidate``), holds bitwise the fault-free run's state
+    after ``max_steps``: each tensor as every rank holding it had it, and nothing no rank had.
+
+    ``consolidated``: digests keyed ``weights/<name>`` and ``optim/<name>/<state>``, or why there are none."""
+    if isinstance(consolidated, str):
+        return [consolidated]
+    failures, held = [], set()
+    for rank in sorted(reference):
+        final = reference_states(reference, rank).get(max_steps)
+        if final is None:
+            failures.append(f"rank {rank}: the fault-free run has no state after step {max_steps}")
+            continue
+        wrong = []
+        for key, digest in sorted(final.items()):
+            if (name := consolidated_key(key)) is not None:
+                held.add(name)
+                if consolidated.get(name) != digest:
+                    wrong.append(f"{key} {'differs' if name in consolidated else 'is missing'}")
+        if wrong:
+            more = f" and {len(wrong) - 1} more" if len(wrong) > 1 else ""
+            failures.append(f"rank {rank}: the consolidated step {max_steps}: {wrong[0]}{more}")
+    extra = sorted(set(consolidated) - held)
+    if extra:
+        failures.append(f"the consolidated checkpoint holds {len(extra)} tensors no rank had, e.g. {extra[:3]}")
     return failures
 
 
 def check_completes(records: Records, outcomes: Sequence[Mapping[str, Any]], max_steps: int, world: int) -> list[str]:
-    """The last incarnation exited cleanly and every rank recorded ``max_steps``."""
+    """The last incarnation exited cleanly and every rank reached ``max_steps``: trained it, or (replay mode) resumed
+    there with nothing left to train (its ``restored`` record)."""
     if not outcomes or outcomes[-1]["rc"] != 0:
         rcs = [o["rc"] for o in outcomes]
         return [f"no clean finish in {len(outcomes)} incarnations (exit codes {rcs}): "
@@ -211,7 +311,7 @@ def check_completes(records: Records, outcomes: Sequence[Mapping[str, Any]], max
     last = outcomes[-1]["inc"]
     failures = []
     for rank in range(world):
-        steps = [r["step"] for r in records.get(rank, ()) if r["kind"] == "step" and r["inc"] == last]
+        steps = [r["step"] for r in records.get(rank, ()) if r["kind"] in ("step", "restored") and r["inc"] == last]
         if max(steps, default=0) != max_steps:
             failures.append(f"rank {rank}: the final incarnation {last} ended at step {max(steps, default=0)}, "
                             f"not max_steps={max_steps}")
@@ -224,13 +324,23 @@ def check_no_hang(outcomes: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def run_checks(
-    records: Records, reference: Records, outcomes: Sequence[Mapping[str, Any]], max_steps: int, world: int
+    records: Records,
+    reference: Records,
+    outcomes: Sequence[Mapping[str, Any]],
+    max_steps: int,
+    world: int,
+    consolidated: Mapping[str, str] | str | None = None,
 ) -> dict[str, list[str]]:
-    """Every check's failure details (an empty list: passed)."""
-    return {
-        "no_hang": check_no_hang(outcomes),
-        "completes": check_completes(records, outcomes, max_steps, world),
-        "restore": check_restore(records)[:MAX_DETAILS],
-        "restore_never_saved": check_restore(records, never_saved=True)[:MAX_DETAILS],
-        "data": check_data(records, reference)[:MAX_DETAILS],
-    }
+    """Every check's failure details (an empty list: passed). ``consolidated`` (replay mode: the digests of the
+    consolidated final checkpoint, or why there are none) selects replay mode's checks: ``reference`` is then the
+    fault-free run with MoC, and the trial must agree with it bitwise; without it, PEC mode's."""
+    checks = {"no_hang": check_no_hang(outcomes), "completes": check_completes(records, outcomes, max_steps, world)}
+    if consolidated is None:
+        checks["restore"] = check_restore(records)
+        checks["restore_never_saved"] = check_restore(records, never_saved=True)
+    else:
+        checks["steps"] = check_steps(records, reference)
+        checks["resume_state"] = check_resume_state(records, reference)
+        checks["final_state"] = check_final_state(consolidated, reference, max_steps)
+    checks["data"] = check_data(records, reference)
+    return {name: details[:MAX_DETAILS] for name, details in checks.items()}

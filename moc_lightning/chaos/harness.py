@@ -7,8 +7,12 @@ until one finishes cleanly or the restart budget runs out (a crash loop). Each i
 launch (``torchrun --standalone --max-restarts=0``'s agent, :mod:`moc_lightning.chaos.worker`) under a
 wall-clock timeout, so a hang is a finding, never a stuck harness.
 
-The uninterrupted reference run (same configuration, no MoC, no fault) gives the sample ids each step must
-see; it runs once per configuration and is cached in the work directory.
+The uninterrupted reference run gives the sample ids each step must see; it runs once per configuration and is
+cached in the work directory. In PEC mode it trains without MoC. In replay mode (``mode=replay``: MoC's
+``checkpoint.mode=replay``, windows of ``window`` iterations, every ``persist_windows``-th stored) it is the fault-free
+run of the same options, MoC included, and the trial must agree with it bitwise (:mod:`.checks`): kills land inside
+window captures, hand-overs, seals, storage writes, the final persist and, in the next incarnation, the resume's
+restore and replay; node losses and damaged stored windows come as in PEC mode.
 """
 
 from __future__ import annotations
@@ -28,18 +32,36 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moc_lightning.chaos.checks import run_checks
-from moc_lightning.chaos.oracle import INCARNATION_ENV, read_records
+from moc_lightning.chaos.oracle import INCARNATION_ENV, read_records, tensor_digest
+from moc_lightning.consolidate import OPTIMIZER_KEY, consolidate
 from moc_lightning.faults import KILL_LINE, FaultPlan
 from moc_lightning.parts import SCOPES
+from moc_lightning.replay_driver import WINDOW_PREFIX
+from moc_lightning.window_store import WINDOW_SUFFIX, head_object
 
 WORLD = 4
 RANKS_PER_NODE = 2
+MODES = ("pec", "replay")
+"""``checkpoint.mode`` of a trial's job."""
 KILL_PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit")
+REPLAY_KILL_PHASES = ("train", "capture", "handover", "seal", "store", "persist_write", "manifest_commit")
+"""Where incarnation 0 of a replay trial dies (:mod:`moc_lightning.faults`); ``persist_write`` and ``manifest_commit``
+(rank 0's commit) are inside the final persist, replay mode's only one."""
 DAMAGE_TARGETS = ("data", "metadata", "moc_json", "manifest")
+WINDOW_DAMAGE_TARGETS = ("window", "head")
+"""What of a rank's newest stored replay window is damaged: its object, or its head."""
 DAMAGE_OPS = ("flip", "truncate", "delete")
 SECOND_FAULTS = ("none", "node_loss", "damage", "kill_recovery", "kill_train")
+REPLAY_SECOND_FAULTS = ("none", "node_loss", "damage", "node_loss_damage", "kill_restore", "kill_replay", "kill_train")
+"""``node_loss_damage``: the node of the rank whose stored window is damaged is lost too, so its resume must read
+storage and pass over the damaged copy (with memory intact, a resume reads memory first)."""
 CHAOS_MODES = ("ddp", "zero2", "fsdp2")
+REPLAY_DATA_PARALLEL = ("ddp", "zero2")
+"""``data_parallel`` of replay trials: ``final_state`` compares the consolidated checkpoint's whole tensors with what
+the ranks hold, which under ``fsdp2`` are shards (the oracle digests each rank's pieces)."""
 HANG_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
@@ -64,12 +86,28 @@ class TrialConfig:
     pec_scope: str = "both"
     """``checkpoint.pec_scope`` of the job: ``both``, ``optimizer`` or ``weights`` (an expert's parts then come
     from different steps, and the ``restore`` check holds each part to its own)."""
+    mode: str = "pec"
+    """``checkpoint.mode`` of the job: ``pec`` (``every``, ``persist_every``, ``k_*`` and ``pec_scope`` apply) or
+    ``replay`` (``window`` and ``persist_windows`` apply)."""
+    window: int = 4
+    """``checkpoint.replay.window`` (replay mode): W; a ``max_steps`` that is a multiple of it ends the last window at
+    the last step, the edge case of a resume with nothing left to train."""
+    persist_windows: int = 2
+    """``checkpoint.replay.persist_every_n_windows`` (replay mode)."""
 
     def __post_init__(self) -> None:
-        if self.data_parallel not in CHAOS_MODES:
-            raise ValueError(f"data_parallel={self.data_parallel!r} is not allowed; chaos trials run {', '.join(CHAOS_MODES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not allowed; choose one of: {', '.join(MODES)}")
+        allowed = REPLAY_DATA_PARALLEL if self.mode == "replay" else CHAOS_MODES
+        if self.data_parallel not in allowed:
+            raise ValueError(f"data_parallel={self.data_parallel!r} is not allowed; {self.mode} chaos trials run "
+                             f"{', '.join(allowed)}")
         if self.pec_scope not in SCOPES:
             raise ValueError(f"pec_scope={self.pec_scope!r} is not allowed; choose one of: {', '.join(SCOPES)}")
+        if self.mode == "replay" and not 1 <= self.window <= self.max_steps:
+            raise ValueError(f"window={self.window} is not allowed; choose 1 <= window <= max_steps={self.max_steps}")
+        if self.persist_windows < 1:
+            raise ValueError(f"persist_windows={self.persist_windows} is not allowed; choose an integer >= 1")
 
     @property
     def snapshot_steps(self) -> list[int]:
@@ -78,6 +116,17 @@ class TrialConfig:
     @property
     def persist_steps(self) -> list[int]:
         return self.snapshot_steps[:: self.persist_every]
+
+    @property
+    def window_ends(self) -> list[int]:
+        """Replay mode: the steps complete windows end at (their hand-overs and seals)."""
+        return list(range(self.window, self.max_steps + 1, self.window))
+
+    @property
+    def stored_window_ends(self) -> list[int]:
+        """Replay mode: the end steps of the windows written to storage (every ``persist_windows``-th, from the
+        first)."""
+        return self.window_ends[:: self.persist_windows]
 
     def key(self) -> str:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -94,6 +143,8 @@ class Fault:
     node: int | None = None
     target: str | None = None
     op: str | None = None
+    rank: int | None = None
+    """Damage of a replay window: the rank whose newest stored window it is."""
 
     @property
     def label(self) -> str:
@@ -106,6 +157,8 @@ class Fault:
 
 def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
     """A kill at a random point of incarnation 0, maybe followed by a second fault."""
+    if cfg.mode == "replay":
+        return draw_replay_faults(rng, cfg)
     phase = rng.choice(KILL_PHASES)
     rank = 0 if phase == "manifest_commit" else rng.randrange(WORLD)
     if phase == "train":
@@ -123,16 +176,61 @@ def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
     elif second == "kill_recovery":
         faults.append(Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "recovery", incarnation=1).spec()))
     elif second == "kill_train":
-        nth = rng.randrange(1, cfg.max_steps // 2)
-        faults.append(Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "train", nth=nth,
-                                                      incarnation=1).spec()))
+        faults.append(_second_kill_in_training(rng, cfg))
     return faults
 
 
-def damage(storage: Path, target: str, op: str, rng: random.Random) -> str:
-    """Damage one stored file of the newest checkpoint (or the manifest); says what was done, or why not."""
+def _second_kill_in_training(rng: random.Random, cfg: TrialConfig) -> Fault:
+    """A kill of a random rank at the end of a random one of the first ``max_steps // 2`` steps incarnation 1 trains."""
+    nth = rng.randrange(1, cfg.max_steps // 2)
+    return Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "train", nth=nth, incarnation=1).spec())
+
+
+def draw_replay_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
+    """Replay mode: a kill at a random point of incarnation 0 (:data:`REPLAY_KILL_PHASES`, each at a step where it is
+    reached), maybe followed by a second fault (:data:`REPLAY_SECOND_FAULTS`)."""
+    phase = rng.choice(REPLAY_KILL_PHASES)
+    rank = 0 if phase == "manifest_commit" else rng.randrange(WORLD)
+    if phase in ("train", "capture"):
+        step = rng.randrange(1, cfg.max_steps + 1)
+    elif phase in ("handover", "seal"):
+        step = rng.choice(cfg.window_ends)
+    elif phase == "store":
+        step = rng.choice(cfg.stored_window_ends)
+    else:  # inside the final persist
+        step = cfg.max_steps
+    faults = [Fault("kill", 0, plan=FaultPlan(rank, step, phase, incarnation=0).spec())]
+    second = rng.choice(REPLAY_SECOND_FAULTS)
+    if second in ("damage", "node_loss_damage"):
+        damaged = rng.randrange(WORLD)
+        faults.append(Fault("damage", 0, target=rng.choice(WINDOW_DAMAGE_TARGETS), op=rng.choice(DAMAGE_OPS),
+                            rank=damaged))
+        if second == "node_loss_damage":
+            faults.append(Fault("node_loss", 0, node=damaged // RANKS_PER_NODE))
+    elif second == "node_loss":
+        faults.append(Fault("node_loss", 0, node=rng.randrange(WORLD // RANKS_PER_NODE)))
+    elif second == "kill_restore":
+        faults.append(Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "restore", incarnation=1).spec()))
+    elif second == "kill_replay":  # after one of the W-1 replayed optimizer steps
+        nth = rng.randrange(1, cfg.window) if cfg.window > 1 else 1
+        faults.append(Fault("kill", 1, plan=FaultPlan(rng.randrange(WORLD), None, "replay", nth=nth,
+                                                      incarnation=1).spec()))
+    elif second == "kill_train":
+        faults.append(_second_kill_in_training(rng, cfg))
+    return faults
+
+
+def damage(storage: Path, target: str, op: str, rng: random.Random, rank: int | None = None) -> str:
+    """Damage one stored file of the newest checkpoint (or the manifest), or of ``rank``'s newest stored replay window
+    (``window``, ``head``); says what was done, or why not."""
     checkpoints = sorted(p for p in storage.glob("step_*") if p.is_dir())
-    if target == "manifest":
+    if target in WINDOW_DAMAGE_TARGETS:
+        windows = sorted(storage.glob(f"{WINDOW_PREFIX}rank{rank}.*{WINDOW_SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        if not windows:
+            return f"rank {rank} has no stored replay window to damage ({target})"
+        number = windows[-1].name.removeprefix(f"{WINDOW_PREFIX}rank{rank}.").removesuffix(WINDOW_SUFFIX)
+        path = windows[-1] if target == "window" else storage / head_object(rank, int(number))
+    elif target == "manifest":
         path = storage / "manifest.json"
     elif not checkpoints:
         return f"no checkpoint to damage ({target})"
@@ -182,7 +280,8 @@ def run_incarnation(
         sys.executable, "-m", "moc_lightning.chaos.worker", "--work", str(work), "--shm-root", str(shm_root),
         "--max-steps", str(cfg.max_steps), "--every", str(cfg.every), "--persist-every", str(cfg.persist_every),
         "--k-snapshot", str(cfg.k_snapshot), "--k-persist", str(cfg.k_persist), "--pg-timeout", str(cfg.pg_timeout),
-        "--data-parallel", cfg.data_parallel, "--pec-scope", cfg.pec_scope,
+        "--data-parallel", cfg.data_parallel, "--pec-scope", cfg.pec_scope, "--mode", cfg.mode,
+        "--window", str(cfg.window), "--persist-windows", str(cfg.persist_windows),
     ] + (["--no-moc"] if no_moc else [])  # fmt: skip
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"inc{inc}.log"
@@ -229,11 +328,16 @@ def _kill_tree(pid: int) -> None:
 
 
 def reference_records(root: Path, cfg: TrialConfig) -> dict[int, list[dict[str, Any]]]:
-    """The uninterrupted run's records, computed once per configuration under ``root``."""
+    """The uninterrupted run's records, computed once per configuration under ``root``: without MoC in PEC mode,
+    with it (the fault-free run of the trials' options, their oracle) in replay mode."""
     work = root / f"reference-{cfg.key()}"
     if not (work / "done").exists():
         shutil.rmtree(work, ignore_errors=True)
-        outcome = run_incarnation(work, Path("/dev/shm/unused"), cfg, 0, None, no_moc=True)
+        shm_root = Path(f"/dev/shm/chaos_reference_{os.getpid()}")
+        try:
+            outcome = run_incarnation(work, shm_root, cfg, 0, None, no_moc=cfg.mode == "pec")
+        finally:
+            shutil.rmtree(shm_root, ignore_errors=True)
         if outcome["rc"] != 0:
             raise RuntimeError(f"the reference run failed: {outcome}")
         (work / "done").write_text(json.dumps(outcome))
@@ -255,8 +359,25 @@ class TrialResult:
     seconds: float = 0.0
 
     @property
-    def passed(self) -> bool:
+    def held(self) -> bool:
+        """Every check held."""
         return not any(self.failures.values())
+
+    @property
+    def unfired(self) -> list[str]:
+        """The kills drawn that never fired: the trial did not test what it drew."""
+        return [f["label"] for f, fired in zip(self.faults, self.fired) if f["kind"] == "kill" and not fired]
+
+    @property
+    def passed(self) -> bool:
+        """Every check held and every kill fired (a trial whose kill never fired is no pass, whatever its checks)."""
+        return self.held and not self.unfired
+
+    @property
+    def verdict(self) -> str:
+        if not self.held:
+            return "FAIL " + ",".join(check for check, details in self.failures.items() if details)
+        return "PASS" if self.passed else "UNFIRED " + ",".join(self.unfired)
 
 
 def run_trial(
@@ -283,17 +404,39 @@ def run_trial(
                 if f.after == inc and f.kind == "node_loss":
                     result.applied.append(lose_node(shm_root, f.node))
                 elif f.after == inc and f.kind == "damage":
-                    result.applied.append(damage(work / "ckpt", f.target, f.op, rng))
+                    result.applied.append(damage(work / "ckpt", f.target, f.op, rng, f.rank))
         records = {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
         result.fired = [_fired(f, result.outcomes) for f in faults]
-        result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == "start"]
-        result.failures = run_checks(records, reference, result.outcomes, cfg.max_steps, WORLD)
+        began = "restored" if cfg.mode == "replay" else "start"  # replay mode: where the state after the replay is
+        result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == began]
+        final = None
+        if cfg.mode == "replay":
+            finished = result.outcomes[-1]["rc"] == 0
+            final = consolidated_digests(work) if finished else "the job never finished: no final checkpoint"
+        result.failures = run_checks(records, reference, result.outcomes, cfg.max_steps, WORLD, final)
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     result.seconds = round(time.monotonic() - start, 1)
     return result
+
+
+def consolidated_digests(work: Path) -> dict[str, str] | str:
+    """Digests of the trial's final checkpoint consolidated (``moc-consolidate --format lightning``), keyed as
+    :func:`~moc_lightning.chaos.checks.consolidated_key` says; or why there are none."""
+    out = work / "consolidated.pt"
+    try:
+        consolidate((work / "ckpt").resolve().as_uri(), out, progress=False)
+        dense = torch.load(out, weights_only=True)
+    except Exception as err:  # a finding of the trial, not a crash of the harness
+        return f"moc-consolidate of the final checkpoint failed: {type(err).__name__}: {err}"
+    finally:
+        out.unlink(missing_ok=True)
+    digests = {f"weights/{name}": tensor_digest(t) for name, t in dense["state_dict"].items()}
+    for param, states in dense[OPTIMIZER_KEY].items():
+        digests |= {f"optim/{param}/{state}": tensor_digest(t) for state, t in states.items()}
+    return digests
 
 
 def _fired(fault: Fault, outcomes: list[dict[str, Any]]) -> bool:
@@ -315,11 +458,19 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
             checks.setdefault(check, Counter())[verdict] += 1
             for fault in {f["label"] for f, fired in zip(result.faults, result.fired) if fired}:
                 by_fault.setdefault(fault, {}).setdefault(check, Counter())[verdict] += 1
+    kills: dict[str, Counter] = {}
+    for result in results:
+        for f, fired in zip(result.faults, result.fired):
+            if f["kind"] == "kill":
+                kills.setdefault(f["label"].removeprefix("kill:"), Counter()).update(drawn=1, fired=int(fired))
     return {
         "trials": len(results),
         "passed": sum(r.passed for r in results),
+        "failed": sum(not r.held for r in results),
+        "unfired": [{"seed": r.seed, "kills": r.unfired} for r in results if r.held and r.unfired],
         "injections": sum(sum(r.fired) for r in results),
         "not_fired": dict(Counter(f["label"] for r in results for f, fired in zip(r.faults, r.fired) if not fired)),
+        "kills": {phase: dict(counts) for phase, counts in sorted(kills.items())},
         "seconds_per_trial": [r.seconds for r in results],
         "checks": {k: dict(v) for k, v in checks.items()},
         "by_fault": {f: {k: dict(v) for k, v in c.items()} for f, c in sorted(by_fault.items())},
@@ -335,7 +486,7 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
                 "details": {check: details for check, details in r.failures.items() if details},
             }
             for r in results
-            if not r.passed
+            if not r.held
         ],
     }
 
@@ -348,8 +499,12 @@ def _width(check: str) -> int:
 def summary_table(summary: Mapping[str, Any]) -> str:
     """The counts as a small text table: one row per check, then one per fault kind."""
     checks = list(summary["checks"])
-    lines = [f"{summary['passed']}/{summary['trials']} trials passed, {summary['injections']} injections "
-             f"(drawn but not fired: {summary['not_fired'] or 'none'})",
+    unfired = ", ".join(f"seed {u['seed']} ({', '.join(u['kills'])})" for u in summary["unfired"])
+    lines = [f"{summary['passed']}/{summary['trials']} trials passed, {summary['failed']} failed, "
+             f"{len(summary['unfired'])} held their checks but a kill never fired{': ' + unfired if unfired else ''}",
+             f"{summary['injections']} injections (drawn but not fired: {summary['not_fired'] or 'none'})",
+             "kill points reached per phase: " + ", ".join(f"{phase} {c.get('fired', 0)}/{c['drawn']}"
+                                                           for phase, c in summary["kills"].items()),
              f"{'':28}" + "".join(f"{c:>{_width(c)}}" for c in checks)]
 
     def row(name: str, counts: Mapping[str, Mapping[str, int]]) -> str:

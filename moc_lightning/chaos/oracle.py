@@ -8,7 +8,10 @@ skips). Events:
   the restored state and carries MoC's recovery report (``<default_root_dir>/moc_recovery/rank<r>.json``,
   read as a user would), at step 0 it is the initial state;
 - ``step`` (``on_train_batch_end``): the state after optimizer step ``step`` and the sample ids of the batch
-  that produced it.
+  that produced it;
+- ``restored`` (:class:`AfterRestore`, replay mode): the state the first new step of a fit begins from, once MoC's
+  replay has run: at the first ``on_train_batch_start``, or at ``on_fit_end`` when the fit ran no batch (a resume at
+  ``max_steps``), where the final persist is about to write it.
 
 Digests are keyed by what a user would name the tensor: ``param/<fqn>``, ``buffer/<fqn>`` (persistent
 buffers), ``optim/<param fqn>/<state name>``, ``lr/<param group>``.
@@ -63,6 +66,13 @@ def sample_ids(batch: Any) -> list[str]:
     return [hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest()[:12] for row in inputs]
 
 
+def recovery_report(trainer: L.Trainer) -> dict[str, Any] | None:
+    """MoC's report of this rank's resume (``<default_root_dir>/moc_recovery/rank<r>.json``), read as a user would;
+    ``None`` where this fit did not resume (the harness removes the folder before each incarnation)."""
+    path = Path(trainer.default_root_dir) / "moc_recovery" / f"rank{trainer.global_rank}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 class Oracle(L.Callback):
     """Records the training state and data of every step, independently of MoC, for :mod:`.checks`."""
 
@@ -71,7 +81,8 @@ class Oracle(L.Callback):
         self.incarnation = int(os.environ.get(INCARNATION_ENV, "0"))
         self._file: Any = None
 
-    def _write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+    def write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
+        """Append ``record`` to this rank's file, flushed and fsynced: a kill right after it loses none of it."""
         if self._file is None:
             self.out.mkdir(parents=True, exist_ok=True)
             self._file = open(self.out / f"rank{trainer.global_rank}.jsonl", "a")  # noqa: SIM115 (lives with the run)
@@ -80,28 +91,57 @@ class Oracle(L.Callback):
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def _digests(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, str]:
+    def digests(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, str]:
+        """:func:`state_digests` of the module and the trainer's optimizer, as they are now."""
         return state_digests(module, trainer.optimizers[0] if trainer.optimizers else None)
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         step = trainer.global_step
-        report = None
-        if step > 0:
-            path = Path(trainer.default_root_dir) / "moc_recovery" / f"rank{trainer.global_rank}.json"
-            report = json.loads(path.read_text()) if path.exists() else None
-        self._write(trainer, {"kind": "start", "step": step, "digests": self._digests(trainer, module),
-                              "report": report})
+        report = recovery_report(trainer) if step > 0 else None
+        self.write(trainer, {"kind": "start", "step": step, "digests": self.digests(trainer, module),
+                             "report": report})
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._write(trainer, {"kind": "step", "step": trainer.global_step, "samples": sample_ids(batch),
-                              "digests": self._digests(trainer, module)})
+        self.write(trainer, {"kind": "step", "step": trainer.global_step, "samples": sample_ids(batch),
+                             "digests": self.digests(trainer, module)})
 
     def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class AfterRestore(L.Callback):
+    """Records, into ``oracle``'s file, the state a fit's first new step begins from (``restored`` events).
+
+    Apart from :class:`Oracle` because ``on_train_start`` is too early under ``checkpoint.mode=replay``: Lightning
+    calls a checkpoint callback's hooks after the others', and MoC replays its window in its ``on_train_start``, so the
+    oracle's ``start`` there sees the state before the replay. The first batch start comes after every callback's
+    ``on_train_start``; a fit that runs no batch (resumed at ``max_steps``) is recorded at ``on_fit_end``, before MoC's
+    final persist writes that state."""
+
+    def __init__(self, oracle: Oracle) -> None:
+        self.oracle = oracle
+        self._recorded = False
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._recorded = False
+
+    def _record(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        digests = self.oracle.digests(trainer, module)
+        self.oracle.write(trainer, {"kind": "restored", "step": trainer.global_step, "digests": digests,
+                                    "report": recovery_report(trainer)})
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._record(trainer, module)
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._record(trainer, module)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@
 
 The tiny reference GPT-MoE (block size 32, batch 4, EP=2: 4 ranks as 2 simulated nodes of 2) trains with
 ``MoCCheckpoint`` and the :class:`~moc_lightning.chaos.oracle.Oracle`, resuming through MoC whenever
-``resume_target()`` says so. The process-group timeout is short, so a collective that never completes ends
+``resume_target()`` says so; with ``--mode replay`` MoC captures windows of ``--window`` iterations, stores every
+``--persist-windows``-th, and an :class:`~moc_lightning.chaos.oracle.AfterRestore` records the state after its
+replay. The process-group timeout is short, so a collective that never completes ends
 the incarnation with an error instead of hanging it. Faults come from ``MOC_FAULT`` (see
 :mod:`moc_lightning.faults`) and fire in the incarnation ``MOC_INCARNATION`` names.
 """
@@ -23,8 +25,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 
 from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.chaos.harness import RANKS_PER_NODE, WORLD
-from moc_lightning.chaos.oracle import Oracle
-from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.chaos.oracle import AfterRestore, Oracle
+from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.launch import standalone
 from moc_lightning.models import GPTMoEConfig
@@ -47,13 +49,20 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--no-moc", action="store_true", help="train without MoC (the reference run)")
     parser.add_argument("--data-parallel", default="ddp", help="trainer.data_parallel: ddp, zero2 or fsdp2")
     parser.add_argument("--pec-scope", default="both", help="checkpoint.pec_scope: both, optimizer or weights")
+    parser.add_argument("--mode", default="pec", help="checkpoint.mode: pec or replay")
+    parser.add_argument("--window", type=int, default=4, help="checkpoint.replay.window (mode replay)")
+    parser.add_argument("--persist-windows", type=int, default=2,
+                        help="checkpoint.replay.persist_every_n_windows (mode replay)")
     return parser.parse_args()
 
 
 def train(args: argparse.Namespace) -> None:
     """One rank: fit with the oracle (and MoC, resuming what it finds, unless ``--no-moc``)."""
     torch.set_num_threads(1)
-    callbacks: list[L.Callback] = [Oracle(args.work / "oracle")]
+    oracle = Oracle(args.work / "oracle")
+    callbacks: list[L.Callback] = [oracle]
+    if args.mode == "replay":
+        callbacks.append(AfterRestore(oracle))
     moc = None
     if not args.no_moc:
         moc = MoCCheckpoint(CheckpointConfig(
@@ -62,6 +71,8 @@ def train(args: argparse.Namespace) -> None:
             every_n_train_steps=args.every,
             persist_every_n_snapshots=args.persist_every,
             pec_scope=args.pec_scope,
+            mode=args.mode,
+            replay=ReplayConfig(window=args.window, persist_every_n_windows=args.persist_windows),
             storage=StorageConfig(url=(args.work / "ckpt").resolve().as_uri()),
             shm_root=args.shm_root,
             ranks_per_node=RANKS_PER_NODE,
