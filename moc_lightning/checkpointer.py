@@ -400,7 +400,6 @@ class PECCheckpointer:
             planner = MoCSavePlanner(writes)
             dcp.save(state, storage_writer=self.storage.writer(name), planner=planner, process_group=self.process_group)
             written = owned_bytes(planner.plan)  # the final local plan, after any deduplication
-            fault_point("persist_write", step)
             if before_commit is not None:
                 before_commit()
         except (Exception, CheckpointException) as err:  # DCP's failures are BaseExceptions

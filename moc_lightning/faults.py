@@ -25,8 +25,8 @@ Phases (SIGKILL at):
   gets there, so only a plan for rank 0 fires);
 - ``recovery``: inside a two-level recovery, after the units from memory were restored, before storage
   loads (``step`` is the resume step);
-- ``persist_write``: inside any persist (PEC's from a snapshot slot, and the final one when ``fit`` ends, replay
-  mode's only persist), after this rank wrote its bytes, before the ranks agree on the write.
+- ``final_persist``: inside the final persist of ``step`` when ``fit`` ends, after this rank wrote its bytes, before
+  the ranks agree on the write (a kill there leaves the last step uncommitted, whatever the mode).
 
 Replay mode's phases (``checkpoint.mode=replay``; ``step`` is the global step after the iteration or window named):
 
@@ -49,7 +49,7 @@ import sys
 from dataclasses import dataclass
 
 PHASES = (
-    "train", "snapshot", "slot_commit", "persist", "manifest_commit", "recovery", "persist_write",
+    "train", "snapshot", "slot_commit", "persist", "manifest_commit", "recovery", "final_persist",
     "capture", "handover", "seal", "store", "restore", "replay",
 )
 FIELDS = ("rank", "step", "phase", "nth", "incarnation", "node_loss")

@@ -426,7 +426,8 @@ class TwoLevelCheckpointer:
                       "again from the live state")
         pec.mark_step(step)
         report = pec.persist(
-            step, units, trainer_state=encode_state(trainer_state), supersede=supersede, digests=digests
+            step, units, trainer_state=encode_state(trainer_state), supersede=supersede, digests=digests,
+            before_commit=lambda: self.faults.at("final_persist", step),
         )
         self.stats.final_persist = report
         pec.prune_ledger(in_memory=self.store.steps())

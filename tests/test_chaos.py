@@ -376,7 +376,7 @@ def test_replay_faults_are_seeded_and_land_where_each_phase_is_reached() -> None
     assert {f"kill:{phase}" for phase in (*REPLAY_KILL_PHASES, "restore", "replay")} <= labels
     assert {"node_loss", "damage:window:flip", "damage:head:delete"} <= labels
     where = {"handover": cfg.window_ends, "seal": cfg.window_ends, "store": cfg.stored_window_ends,
-             "persist_write": [16], "manifest_commit": [16], "train": range(1, 17), "capture": range(1, 17)}
+             "final_persist": [16], "manifest_commit": [16], "train": range(1, 17), "capture": range(1, 17)}
     for fault in drawn:
         plan = FaultPlan.parse(fault.plan) if fault.plan else None
         if plan is not None and plan.incarnation == 0:

@@ -47,8 +47,8 @@ RANKS_PER_NODE = 2
 MODES = ("pec", "replay")
 """``checkpoint.mode`` of a trial's job."""
 KILL_PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit")
-REPLAY_KILL_PHASES = ("train", "capture", "handover", "seal", "store", "persist_write", "manifest_commit")
-"""Where incarnation 0 of a replay trial dies (:mod:`moc_lightning.faults`); ``persist_write`` and ``manifest_commit``
+REPLAY_KILL_PHASES = ("train", "capture", "handover", "seal", "store", "final_persist", "manifest_commit")
+"""Where incarnation 0 of a replay trial dies (:mod:`moc_lightning.faults`); ``final_persist`` and ``manifest_commit``
 (rank 0's commit) are inside the final persist, replay mode's only one."""
 DAMAGE_TARGETS = ("data", "metadata", "moc_json", "manifest")
 WINDOW_DAMAGE_TARGETS = ("window", "head")
