@@ -177,7 +177,10 @@ class MoCCheckpoint(Checkpoint):
         check_supported(dict(pl_module.named_parameters()), type(pl_module).__name__)
         topology = getattr(pl_module, "expert_topology", None) or ExpertParallelTopology.replicated()
         check_other_checkpoints(self._trainer, self, topology.ep, local_path(self.config.storage.url))
-        layout = build_layout(pl_module, optimizer, preset=self.layout_preset, expert_parallel=topology.ep)
+        layout = build_layout(
+            pl_module, optimizer, preset=self.layout_preset, expert_parallel=topology.ep,
+            expert_buffers=self.config.expert_buffers,
+        )
         if self.tokens is None:
             self.tokens = token_source(pl_module, layout)
             self._check_counts()
@@ -317,7 +320,10 @@ class MoCCheckpoint(Checkpoint):
         loaded by an engine of their own (:func:`load_newest`); the training engine and the lineage stay as they are."""
         check_supported(dict(module.named_parameters()), type(module).__name__)
         topology = getattr(module, "expert_topology", None) or ExpertParallelTopology.replicated()
-        layout = build_layout(module, None, preset=self.layout_preset, expert_parallel=topology.ep)
+        layout = build_layout(
+            module, None, preset=self.layout_preset, expert_parallel=topology.ep,
+            expert_buffers=self.config.expert_buffers,
+        )
         step = load_newest(self._new_pec(module, layout, topology), self._trainer.state.fn.value)
         return {"pytorch-lightning_version": L.__version__, "global_step": step, "state_dict": module.state_dict()}
 

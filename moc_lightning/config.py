@@ -7,6 +7,8 @@ need the model (``k_snapshot <= N``) run when the layout is known.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moc_lightning.parts import SCOPES as PEC_SCOPES
@@ -28,6 +30,16 @@ def _require_choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
 def _require_at_least(option: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise ValueError(f"{option} must be >= {minimum}, got {value}")
+
+
+def _require_patterns(option: str, value: Sequence[str]) -> None:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(f"{option} must be a list of regular expressions, got {value!r}")
+    for pattern in value:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            raise ValueError(f"{option} holds {pattern!r}, which is not a regular expression: {err}") from None
 
 
 @dataclass
@@ -109,6 +121,13 @@ class CheckpointConfig:
     state of K) or ``weights`` ("W": every expert's optimizer state every time, the weights of K). Dense units
     are always saved whole. A recovery takes each part from its newest surviving copy; an expert loses the
     tokens it processed since its stalest part was saved (PLT, eq. 7)."""
+    expert_buffers: list[str] = field(default_factory=list)
+    """Regular expressions (``re.search`` on the fully qualified name) of per-expert buffers held by a MoE layer or its
+    router that are expert state: their entries go to the experts and follow PEC. By default such a buffer (one entry
+    per expert, dim 0: torchtitan's ``expert_bias``, DeepSeek-V3's ``e_score_correction_bias``, token counters) is
+    routing state, restored with the router at the resume step; a buffer inside an expert's own module, or a stacked
+    ``experts`` module, always stays with its expert. A pattern that names no buffer, or a buffer outside the MoE
+    layers or without one entry per expert, is refused when the layout is built."""
     every_n_train_steps: int = 10
     """Snapshot interval in optimizer steps."""
     persist_every_n_snapshots: int = 2
@@ -162,6 +181,7 @@ class CheckpointConfig:
         _require_choice("checkpoint.sharding", self.sharding, SHARDING_STRATEGIES)
         _require_choice("checkpoint.resume", self.resume, RESUME_MODES)
         _require_choice("checkpoint.mode", self.mode, MODES)
+        _require_patterns("checkpoint.expert_buffers", self.expert_buffers)
 
     def validate_for(self, num_experts: int) -> None:
         """Checks that need the model: K can be at most the number of experts per MoE layer."""

@@ -3,14 +3,33 @@
 Every named parameter belongs to exactly one unit, and so does its per-parameter optimizer state (Adam's
 ``exp_avg``/``exp_avg_sq``/``step``, SGD's ``momentum_buffer``, ...): PEC on weights alone would save the
 wrong 14% of a checkpoint, since expert optimizer state is its bulk. So does every persistent buffer (those
-in ``state_dict()``: norm statistics, a router's load-balancing bias): a buffer inside an expert belongs to
-that expert; a stacked buffer with leading dim E held by the MoE layer itself or its ``experts`` module
-(torchtitan's ``expert_bias``) is sliced like a stacked parameter, entry ``e`` to expert ``e``; any other buffer
-belongs to a dense unit by the same rule as a parameter. A per-expert buffer of all N experts that a rank holds whole
-while holding only some of the experts (under expert parallelism, or stacked DTensor experts: torchtitan's
-``expert_bias``, kept equal on every rank) gives the rank's units their own entries only, so its keys are the same
-in every world and mode; after a restore the ranks share the entries (:meth:`Layout.share_expert_entries`), so each
-rank's whole buffer again holds every expert's entry at that expert's source step.
+in ``state_dict()``: norm statistics, a router's load-balancing bias), by where it is held:
+
+- inside an expert's own module (``experts.{e}.calls``): that expert's;
+- inside a stacked ``experts`` module with one entry per expert on dim 0 (``[N]``, or ``[E_local]`` of the rank's
+  experts): sliced like a stacked parameter, entry ``e`` to expert ``e``;
+- held by the MoE layer module itself or by its router: *routing state* (torchtitan's ``expert_bias`` on the layer,
+  DeepSeek-V3's ``e_score_correction_bias`` on its ``gate``, token counters). It steers the router, whose weights come
+  back at the resume step, so it is a dense buffer of the router's unit (a layer's own buffer joins the unit of its
+  router's weights; ``_dense_name``'s unit where no router is found) and comes back with it, at the resume step, in
+  every mode (DESIGN.md hard part 10). PEC's loss is of expert weights and optimizer state, not of routing. One
+  exception is kept: a buffer of the layer module of shape ``[E_local]`` under expert parallelism (E_local < N) holds
+  values that differ per rank, which no dense unit (held alike by every rank, written once) can hold, so its entries
+  stay with the local experts;
+- anywhere else: the dense unit of its module, by the same rule as a parameter.
+
+Detection is by name and shape alone: a per-module expert pattern (``expert`` group) or a stacked pattern's
+``experts`` module marks expert state; everything else under the MoE layer's prefix is the layer's or its router's.
+A user whose layer holds per-expert state that is not routing (a per-expert statistic that should follow its expert's
+version) names it in ``expert_buffers`` (``CheckpointConfig.expert_buffers``: regular expressions, ``re.search`` on the
+fully qualified name); such a buffer is sliced to the experts like a stacked ``experts`` buffer, and a pattern that
+names no buffer, or a buffer outside the MoE layers or without one entry per expert, is refused.
+
+A per-expert buffer of all N experts that a rank holds whole while its units own only some of the experts (an
+``expert_buffers`` buffer under expert parallelism, or a stacked ``experts`` module's buffer beside stacked DTensor
+experts) gives the rank's units their own entries only, so its keys are the same in every world and mode; after a
+restore the ranks share the entries (:meth:`Layout.share_expert_entries`), so each rank's whole buffer again holds
+every expert's entry at that expert's source step.
 
 Experts are found by regular expressions over parameter names. A pattern is matched at the start of the
 name (``re.match``) and has a named group ``layer`` (the MoE layer's module prefix) and, for one module per
@@ -36,8 +55,8 @@ interchangeable; :meth:`Layout.tensors` hands out the DTensors (what DCP writes 
 :meth:`Layout.pieces` this rank's local shards of them (what a snapshot copies). A stacked ``[E, ...]`` DTensor sharded
 along the expert dim (torchtitan's experts under ``fully_shard``) holds whole experts on each rank: the units are those
 experts, their tensors slices of the local piece (plain tensors: nobody else holds them), so the rank's experts are
-its local experts as under EP, and a per-expert buffer of the layer, which every rank holds whole, gives them their
-entries, as under EP.
+its local experts as under EP; the layer's routing bias, which every rank holds whole and alike, is a plain tensor of
+the router's unit beside its DTensor weight.
 
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
 create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has
@@ -375,9 +394,10 @@ class Layout:
 
     @cached_property
     def partly_held_buffers(self) -> dict[str, tuple[int, ...]]:
-        """Per-expert buffers (``[N]``, held by the MoE layer: torchtitan's ``expert_bias``) of which this rank's units
-        own only some entries, those of its local experts (under EP, or stacked DTensor experts), though it holds
-        the buffer whole: buffer name -> the entries its units own. :meth:`share_expert_entries` fills the others."""
+        """Per-expert buffers of all N experts (a stacked ``experts`` module's, or one ``expert_buffers`` names) of which
+        this rank's units own only some entries, those of its local experts (under EP, or stacked DTensor experts),
+        though it holds the buffer whole: buffer name -> the entries its units own. :meth:`share_expert_entries` fills
+        the others."""
         owned: dict[str, list[int]] = {}
         for unit_slots in self.slots.values():
             for slot in unit_slots:
@@ -677,6 +697,7 @@ def build_layout(
     expert_offset: ExpertOffset = 0,
     num_experts: int | None = None,
     expert_parallel: int = 1,
+    expert_buffers: Sequence[str] = (),
 ) -> Layout:
     """Map every named parameter of ``model`` (and its optimizer state) to exactly one unit.
 
@@ -686,6 +707,9 @@ def build_layout(
         expert_offset: global id of local expert 0 (per MoE layer prefix when a callable).
         num_experts: global experts per MoE layer; defaults to the experts found here times ``expert_parallel``.
         expert_parallel: how many ranks the experts of a layer are spread over (the EP degree).
+        expert_buffers: regular expressions (``re.search`` on the fully qualified name) of per-expert buffers held by
+            a MoE layer or its router that are expert state, not routing state: their entries go to the experts (see
+            the module docstring; ``CheckpointConfig.expert_buffers``).
     """
     if expert_parallel < 1:
         raise ValueError(f"expert_parallel must be >= 1 (the ranks a layer's experts are on), got {expert_parallel}")
@@ -719,8 +743,9 @@ def build_layout(
         for i, prefix in enumerate(prefixes)
     )
     buffers = _persistent_buffers(model)
+    claimed = _claimed(buffers, expert_buffers)
     for name, buffer in buffers.items():
-        for unit, slot in _buffer_slots(name, buffer, patterns, moe_layers, expert_offset):
+        for unit, slot in _buffer_slots(name, buffer, patterns, moe_layers, expert_offset, name in claimed):
             slots.setdefault(unit, []).append(slot)
     _check_unique_keys(slots)
     return Layout(
@@ -784,24 +809,79 @@ def _buffer_slots(
     patterns: Sequence[re.Pattern[str]],
     moe_layers: Sequence[MoeLayer],
     expert_offset: ExpertOffset,
+    claimed: bool,
 ) -> list[tuple[Unit, ParamSlot]]:
-    """The unit (or, for a stacked buffer, the experts) owning buffer ``name`` (see the module docstring)."""
+    """The unit (or, for a per-expert buffer of experts, the experts) owning buffer ``name`` (see the module
+    docstring); ``claimed``: an ``expert_buffers`` pattern names it expert state."""
     m = _match(name, patterns)
     layer = next((layer for layer in moe_layers if m is not None and layer.prefix == m.layer_prefix), None)
-    if m is not None and layer is not None and m.local_index is not None:
+    if m is not None and layer is not None and m.local_index is not None:  # inside one expert's module
         unit: Unit = ExpertUnit(layer.index, _offset(expert_offset, layer.prefix) + m.local_index)
         return [(unit, ParamSlot(name, m.local_name, buffer=True))]
-    if layer is None:  # held by the MoE layer module itself?
-        layer = next((layer for layer in moe_layers if name.rpartition(".")[0] == layer.prefix), None)
-    if layer is not None and buffer.dim() > 0 and buffer.shape[0] in (layer.num_experts, len(layer.local_experts)):
+    holder, leaf = name.rpartition(".")[::2]
+    if layer is not None:  # inside a stacked ``experts`` module: its experts' entries
+        per_expert = _one_per_expert(buffer, layer)
+    else:  # held by a MoE layer module itself or by its router (routing state), or outside every MoE layer
+        layer = max((x for x in moe_layers if name.startswith(x.prefix + ".")), key=lambda x: len(x.prefix),
+                    default=None)  # the innermost, were MoE layers nested
+        per_expert = layer is not None and (claimed or (holder == layer.prefix and _differs_per_rank(buffer, layer)))
+    if claimed:
+        _check_claim(name, buffer, layer, moe_layers)
+    if per_expert:
         whole = buffer.shape[0] == layer.num_experts  # entry e is expert e's; else the local experts' in order
-        local_name = name.rpartition(".")[2]
         return [
-            (ExpertUnit(layer.index, e), ParamSlot(name, local_name, index=e if whole else i, buffer=True))
+            (ExpertUnit(layer.index, e), ParamSlot(name, leaf, index=e if whole else i, buffer=True))
             for i, e in enumerate(layer.local_experts)
         ]
-    unit = DenseUnit(_dense_name(name, [layer.prefix for layer in moe_layers]))
+    prefixes = [x.prefix for x in moe_layers]
+    if layer is not None and layer.router is not None and holder == layer.prefix:  # routing state: the router's unit
+        return [(DenseUnit(_dense_name(f"{layer.router}.{leaf}", prefixes)), ParamSlot(name, leaf, buffer=True))]
+    unit = DenseUnit(_dense_name(name, prefixes))
     return [(unit, ParamSlot(name, name[len(unit.name) :].lstrip(".") or name, buffer=True))]
+
+
+def _one_per_expert(buffer: torch.Tensor, layer: MoeLayer) -> bool:
+    """Whether ``buffer`` has one entry per expert of ``layer`` along dim 0: all N, or this rank's local experts."""
+    return buffer.dim() > 0 and buffer.shape[0] in (layer.num_experts, len(layer.local_experts))
+
+
+def _differs_per_rank(buffer: torch.Tensor, layer: MoeLayer) -> bool:
+    """Whether a buffer of the MoE layer module itself has one entry per *local* expert under expert parallelism
+    (``[E_local]``, E_local < N): its values differ per rank, so no dense unit (which every rank holds alike, written
+    once) can hold it, and its entries stay with the local experts, in order."""
+    return buffer.dim() > 0 and buffer.shape[0] == len(layer.local_experts) < layer.num_experts
+
+
+def _check_claim(name: str, buffer: torch.Tensor, layer: MoeLayer | None, moe_layers: Sequence[MoeLayer]) -> None:
+    """Refuse an ``expert_buffers`` claim on a buffer that cannot be expert state: outside every MoE layer, or without
+    one entry per expert."""
+    if layer is None:
+        raise ValueError(
+            f"expert_buffers names buffer {name!r}, which is not held by a MoE layer or its router (MoE layers: "
+            f"{[x.prefix for x in moe_layers]}); only a per-expert buffer of a MoE layer can be expert state"
+        )
+    if not _one_per_expert(buffer, layer):
+        raise ValueError(
+            f"expert_buffers names buffer {name!r} of shape {tuple(buffer.shape)}, whose dim 0 is not one entry per "
+            f"expert of MoE layer {layer.prefix!r} ({layer.num_experts} experts, {len(layer.local_experts)} on this "
+            "rank); an expert buffer has one entry per expert"
+        )
+
+
+def _claimed(buffers: Iterable[str], expert_buffers: Sequence[str]) -> set[str]:
+    """The buffers that ``expert_buffers`` names (each pattern found in the fully qualified name, ``re.search``); a
+    pattern that names none is refused, so that a misspelt override does not silently leave a buffer dense."""
+    names = list(buffers)
+    claimed: set[str] = set()
+    for source in expert_buffers:
+        found = {name for name in names if re.search(source, name)}
+        if not found:
+            raise ValueError(
+                f"expert_buffers pattern {source!r} matches no buffer of the model (persistent buffers: "
+                f"{names[:10]}{' ...' if len(names) > 10 else ''}); name per-expert buffers of MoE layers"
+            )
+        claimed |= found
+    return claimed
 
 
 def _placements(

@@ -49,10 +49,11 @@ Conventions (``t`` and ``i`` are offsets in the window, ``t_u`` the offset a uni
   is stepped by its rank alone (HSDP's replicas alike, on the same gradient). A frozen unit's gradient, reduce-scattered
   by the backward as the fault-free iteration did, is dropped from its sharded parameter as under DDP. The schedule is
   planned from whole units' sizes (a DTensor's global size), so every holder of a unit follows the same ``t_u``.
-- **A per-expert buffer every rank holds whole** (torchtitan's ``expert_bias`` under EP or stacked DTensor experts)
-  gets a rank's own experts' entries from its restores and captures; the ranks share the entries after every restore
-  and every copy of logged weights (:meth:`Layout.share_expert_entries`), so each rank's forward reads the whole
-  buffer as the fault-free iteration did.
+- **A per-expert buffer of experts that every rank holds whole** (a stacked ``experts`` module's beside stacked DTensor
+  experts, or a layer's buffer that ``checkpoint.expert_buffers`` names, under EP) gets a rank's own experts' entries
+  from its restores and captures; the ranks share the entries after every restore and every copy of logged weights
+  (:meth:`Layout.share_expert_entries`), so each rank's forward reads the whole buffer as the fault-free iteration
+  did. A routing buffer (torchtitan's ``expert_bias``) is its router's, a dense unit every rank restores whole.
 - Gradients are set to ``None`` before each replayed iteration and after the replay, as
   ``zero_grad(set_to_none=True)`` does: the fault-free training loop must do the same, or a parameter
   without gradient in some iteration (an expert that got no token) would be stepped on a zero gradient in

@@ -47,13 +47,15 @@ def test_persistent_buffers_belong_to_their_units() -> None:
     keys = set(layout.tensors())
     assert {"dense/norm/buffer/running_mean", "dense/norm/buffer/num_batches_tracked"} <= keys
     assert {f"expert/L0/E{e}/buffer/calls" for e in range(N)} <= keys, "a per-module expert's buffer"
-    assert {f"expert/L1/E{e}/buffer/expert_bias" for e in range(N)} <= keys, "a stacked [E] buffer, sliced"
+    assert "dense/moe1.router/buffer/expert_bias" in keys, "the layer's [E] routing bias: its router's"
+    assert not any(k.startswith("expert/L1/") and "/buffer/" in k for k in keys), "routing state follows no expert"
     assert not any("scratch" in k for k in keys), "non-persistent buffers are not state"
-    assert layout.tensors([expert(1, 2)])["expert/L1/E2/buffer/expert_bias"].data_ptr() == (
-        model.moe1.expert_bias[2].data_ptr()
+    assert layout.tensors([dense("moe1.router")])["dense/moe1.router/buffer/expert_bias"].data_ptr() == (
+        model.moe1.expert_bias.data_ptr()
     ), "an in-place view of the live buffer"
-    bias = layout.unit_bytes(expert(1, 2))
-    assert bias.buffers == 4 and bias.total == bias.weights + bias.optimizer + bias.buffers
+    calls = layout.unit_bytes(expert(0, 2))
+    assert calls.buffers == 4 and calls.total == calls.weights + calls.optimizer + calls.buffers
+    assert layout.unit_bytes(dense("moe1.router")).buffers == N * 4
     assert layout.unit_bytes(dense("norm")).buffers == 2 * 4 * 4 + 8
     # eq. 5 stays exact: it covers every byte of a full checkpoint, buffers included
     train(model, layout.optimizer, range(1, 3))
@@ -161,30 +163,35 @@ def test_trainer_state_comes_back_per_rank(tmp_path: Path, capfd: pytest.Capture
 
 def _ep_bias_layer(rank: int, world_size: int) -> dict[str, Any]:
     """Rank ``r`` of 2 holds stacked experts ``[2r, 2r + 2)`` of a layer and the layer's whole ``[N]`` bias, its entries
-    set to ``100 * r + e`` (each rank's copy of the others' entries wrong), then shares the entries."""
+    set to ``100 * r + e`` (each rank's copy of the others' entries wrong), named expert state by ``expert_buffers``,
+    then shares the entries; and the layout without the override, where the bias is a dense buffer."""
     torch.manual_seed(0)
     model = nn.ModuleDict({"moe": StackedMoE()})
     local = N // world_size
     model["moe"].experts.w = nn.Parameter(model["moe"].experts.w[rank * local : (rank + 1) * local].clone())
-    layout = build_layout(model, None, expert_offset=rank * local, num_experts=N, expert_parallel=world_size)
+    ep = {"expert_offset": rank * local, "num_experts": N, "expert_parallel": world_size}
+    routing = sorted(k for k in build_layout(model, None, **ep).tensors() if "/buffer/" in k)
+    layout = build_layout(model, None, **ep, expert_buffers=[r"^moe\.expert_bias$"])
     with torch.no_grad():
         model["moe"].expert_bias.copy_(100.0 * rank + torch.arange(N))
     keys = sorted(k for k in layout.tensors() if "/buffer/" in k)
     partly = dict(layout.partly_held_buffers)
     layout.share_expert_entries()
-    return {"keys": keys, "partly": partly, "bias": model["moe"].expert_bias.clone()}
+    return {"routing": routing, "keys": keys, "partly": partly, "bias": model["moe"].expert_bias.clone()}
 
 
-def test_under_ep_a_layer_bias_of_every_expert_gives_each_rank_its_experts_entries_and_the_ranks_share_them(
+def test_under_ep_a_layer_bias_named_expert_state_gives_each_rank_its_experts_entries_and_the_ranks_share_them(
     tmp_path: Path,
 ) -> None:
     """Keys as in one process (entry ``e`` is expert ``e``'s), whatever rank holds the expert; after the exchange every
-    rank's whole buffer holds each entry as its expert's rank has it."""
+    rank's whole buffer holds each entry as its expert's rank has it. Without ``expert_buffers`` the bias is routing
+    state: one dense key, the same on every rank."""
     ranks = run_ranks(_ep_bias_layer, 2, tmp_path)
-    one_process = build_layout(nn.ModuleDict({"moe": StackedMoE()}), None)
+    one_process = build_layout(nn.ModuleDict({"moe": StackedMoE()}), None, expert_buffers=["expert_bias"])
     assert sorted(k for r in ranks for k in r["keys"]) == sorted(k for k in one_process.tensors() if "/buffer/" in k)
     expected = torch.tensor([100.0 * (e // 2) + e for e in range(N)])
     for rank, got in enumerate(ranks):
+        assert got["routing"] == ["dense/moe.router/buffer/expert_bias"], rank
         assert got["keys"] == [f"expert/L0/E{e}/buffer/expert_bias" for e in (2 * rank, 2 * rank + 1)]
         assert got["partly"] == {"moe.expert_bias": (2 * rank, 2 * rank + 1)}
         assert torch.equal(got["bias"], expected), rank
