@@ -117,33 +117,24 @@ def _resume(root: Path, callbacks: list[L.Callback], **trainer_options: Any) -> 
     return trainer, moc
 
 
-def test_a_resume_whose_window_ends_at_max_steps_replays_it_and_its_final_checkpoint_is_the_fault_free_one(
-    tmp_path: Path, fault_free: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "bound", [{}, {"max_steps": -1, "max_epochs": 1, "limit_train_batches": MAX_STEPS}], ids=["max_steps", "max_epochs"]
+)
+def test_a_resume_whose_window_ends_where_the_fit_ends_replays_it_and_its_final_checkpoint_is_the_fault_free_one(
+    tmp_path: Path, fault_free: dict[str, Any], monkeypatch: pytest.MonkeyPatch, bound: dict[str, int]
 ) -> None:
-    """The newest window ends at ``max_steps``, so the resumed fit runs no batch (and no ``on_train_start``). Failed on
-    72cf597: the replay waited for ``on_train_start``, and the final persist committed the initial weights (no optimizer
-    state) as step 12; ``moc-consolidate`` gave them back."""
-    _killed_in_the_final_persist(tmp_path, monkeypatch)
+    """The newest window ends where the fit ends: at ``max_steps`` (the resumed fit runs no batch and no
+    ``on_train_start``), or at the end of the one epoch ``max_epochs`` allows. ``max_steps`` failed on 72cf597: the replay
+    waited for ``on_train_start``, and the final persist committed the initial weights (no optimizer state) as step 12;
+    ``moc-consolidate`` gave them back. ``max_epochs`` held on 72cf597 already: the window's trainer state is captured at
+    its last batch's end, before Lightning counts the epoch processed, so the resumed loop still ran ``on_train_start``
+    (and the replay then), though no batch."""
+    _killed_in_the_final_persist(tmp_path, monkeypatch, **dict(bound))
     observer = Observer()
-    _, moc = _resume(tmp_path, [observer])
+    _, moc = _resume(tmp_path, [observer], **dict(bound))
     assert moc.replay_report is not None and moc.replay_report.resume_step == MAX_STEPS
-    assert "train_start" not in observer.seen, "the loop ran no batch"
-    assert _differing(observer.seen["fit_end"], fault_free["states"][MAX_STEPS]) == []
-    final = _tensors_of(_consolidated(tmp_path, tmp_path / "dense.ckpt"))
-    assert _differing(final, fault_free["final"]) == []
-
-
-def test_max_epochs_reached_at_the_window_end_replays_it_before_the_final_persist(
-    tmp_path: Path, fault_free: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As above, the fit bounded by ``max_epochs`` (one epoch of ``MAX_STEPS`` batches) instead of ``max_steps``. Held
-    on 72cf597 already: the window's trainer state is captured at its last batch's end, before Lightning counts the
-    epoch processed, so the resumed loop still runs ``on_train_start`` (and the replay then), though no batch."""
-    epoch = {"max_steps": -1, "max_epochs": 1, "limit_train_batches": MAX_STEPS}
-    _killed_in_the_final_persist(tmp_path, monkeypatch, **dict(epoch))
-    observer = Observer()
-    _, moc = _resume(tmp_path, [observer], **epoch)
-    assert moc.replay_report is not None and moc.replay_report.resume_step == MAX_STEPS
+    if not bound:
+        assert "train_start" not in observer.seen, "the loop ran no batch"
     assert _differing(observer.seen["fit_end"], fault_free["states"][MAX_STEPS]) == []
     final = _tensors_of(_consolidated(tmp_path, tmp_path / "dense.ckpt"))
     assert _differing(final, fault_free["final"]) == []
