@@ -116,11 +116,11 @@ class Oracle(L.Callback):
 class AfterRestore(L.Callback):
     """Records, into ``oracle``'s file, the state a fit's first new step begins from (``restored`` events).
 
-    Apart from :class:`Oracle` because ``on_train_start`` is too early under ``checkpoint.mode=replay``: Lightning
-    calls a checkpoint callback's hooks after the others', and MoC replays its window in its ``on_train_start``, so the
-    oracle's ``start`` there sees the state before the replay. The first batch start comes after every callback's
-    ``on_train_start``; a fit that runs no batch (resumed at ``max_steps``) is recorded at ``on_fit_end``, before MoC's
-    final persist writes that state."""
+    Apart from :class:`Oracle`'s ``start`` event because a fit that runs no batch (resumed at ``max_steps``) calls no
+    ``on_train_start``: it is recorded at ``on_fit_end``, before MoC's final persist writes that state (a checkpoint
+    callback's hooks run after the others'). Otherwise at the first batch start, after every callback's
+    ``on_train_start``: a replay finished only there (before the fix of issue 28, MoC replayed in its own
+    ``on_train_start``) would still be seen complete, so the check holds the state the first step begins from."""
 
     def __init__(self, oracle: Oracle) -> None:
         self.oracle = oracle
