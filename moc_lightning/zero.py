@@ -56,7 +56,10 @@ class ZeroPartition:
         return self.owner[param] == self.rank
 
     def unit_owners(self, layout: Layout) -> dict[Unit, int]:
-        """The ZeRO owner of each unit of ``layout`` whose parameters are in this partition.
+        """The ZeRO owner of each unit of ``layout``: of its parameters, in this partition. A unit of persistent
+        buffers alone (a module keeping a statistic in ``state_dict`` and no parameter; only a dense unit can be one,
+        and every rank holds those) has no optimizer state to keep, but a snapshot and a persist take it from its
+        owner: rank 0.
 
         Raises ``ValueError`` when a unit's parameters have different owners (a partition made with other units
         than ``layout``'s): its optimizer state would then be spread over ranks, and no rank could snapshot it.
@@ -69,8 +72,7 @@ class ZeroPartition:
                     f"the ZeRO partition gives the parameters of unit {unit.key} to ranks {sorted(ranks)}; partition "
                     "by the units the checkpoint uses (moc_lightning.zero.partition_by_units with the same layout)"
                 )
-            if ranks:
-                owners[unit] = ranks.pop()
+            owners[unit] = ranks.pop() if ranks else 0
         return owners
 
 

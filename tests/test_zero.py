@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from buffered_model import BufferedMoE, train
 from dist_utils import run_ranks
+from torch import nn
 from trainee import every_step_config
 
 from moc_lightning.checkpointer import PECCheckpointer
@@ -261,3 +264,33 @@ def test_a_bf16_step_is_fp32_adamw_on_the_master_rounded_into_the_weight() -> No
         master = zero.state[q]["master"]
         assert torch.equal(master, p.detach()), f"{name}: the master is not fp32 AdamW's result"
         assert torch.equal(q.detach(), master.to(torch.bfloat16)), f"{name}: the weight is not its rounded master"
+
+
+def test_a_unit_of_buffers_alone_has_an_owner_and_round_trips(tmp_path: Path) -> None:
+    """A module holding persistent buffers and no parameter (a statistic, a cache a model keeps in ``state_dict``) is a
+    dense unit with no optimizer state. Under ZeRO-2 it still needs an owner, the rank that snapshots and writes it.
+    Failed on d816d30: ``KeyError: 'dense/stats'`` when sizing the snapshot slots."""
+
+    def model(seed: int) -> nn.Module:
+        built = BufferedMoE(seed)
+        built.stats = nn.Module()
+        built.stats.register_buffer("seen", torch.full((3,), float(seed)))
+        return built
+
+    topology = ExpertParallelTopology.replicated()
+    url = (tmp_path / "ckpt").as_uri()
+
+    def engine(built: nn.Module) -> tuple[PECCheckpointer, ZeroAdamW]:
+        optimizer = ZeroAdamW(built.parameters(), partition_by_units(build_layout(built, None), topology), lr=1e-2)
+        layout = build_layout(built, optimizer)
+        return PECCheckpointer(every_step_config(2, 2), layout, topology, make_storage("filesystem", url)), optimizer
+
+    trained = model(0)
+    pec, optimizer = engine(trained)
+    train(trained, optimizer, range(2))
+    trained.stats.seen.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert pec.snapshot_share_bytes(with_optimizer_state=True) > 0
+    pec.checkpoint(2)
+    fresh = model(1)
+    engine(fresh)[0].load_latest()
+    assert torch.equal(fresh.stats.seen, trained.stats.seen)
