@@ -11,15 +11,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from moc_lightning.parts import SCOPES as PEC_SCOPES
-from moc_lightning.sharding import STRATEGIES as SHARDING_STRATEGIES
+from moc_lightning.engine.parts import SCOPES as PEC_SCOPES
+from moc_lightning.sharding.ownership import STRATEGIES as SHARDING_STRATEGIES
 
 SELECTION_POLICIES = ("sequential", "load_aware")
 STORAGE_BACKENDS = ("filesystem", "tensorstore")
 RESUME_MODES = ("auto", "never")
 MODES = ("pec", "replay")
 AUTO = "auto"
-"""``checkpoint.replay.window=auto``: W chosen from measurements (:mod:`moc_lightning.window_choice`)."""
+"""``checkpoint.replay.window=auto``: W chosen from measurements (:mod:`moc_lightning.replay.window_choice`)."""
 
 
 def _require_choice(option: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -71,13 +71,13 @@ class DynamicKConfig:
 
 @dataclass
 class ReplayConfig:
-    """Replay mode's window (``checkpoint.mode=replay``, :mod:`moc_lightning.replay`)."""
+    """Replay mode's window (``checkpoint.mode=replay``, :mod:`moc_lightning.replay.core`)."""
 
     window: int | str = 4
     """W, the iterations of a window: each unit's full state is captured once in it, and a recovery replays up to
     W-1 iterations. Larger W copies less per iteration and replays more; 1 captures every unit every iteration.
     ``auto``: chosen once the first iterations have run, from their measured time and the measured copy bandwidth
-    (:mod:`moc_lightning.window_choice`). Not the default: timing makes it vary from run to run, and tests and
+    (:mod:`moc_lightning.replay.window_choice`). Not the default: timing makes it vary from run to run, and tests and
     comparisons want a fixed W."""
     persist_every_n_windows: int = 1
     """Write every this many windows to storage (the first window of a run and every n-th after it, by window
@@ -108,7 +108,7 @@ class CheckpointConfig:
     ``training_step``, so every unit returns to its fault-free state (no lost tokens). This slice of replay runs
     every ``trainer.data_parallel`` mode: ``ddp``, ``fsdp2`` and ``hsdp`` at precision ``32-true`` or ``bf16-mixed``,
     ``zero2`` at ``32-true``, ``bf16-mixed`` or ``bf16-true`` (one process or several, with or without expert
-    parallelism; see :mod:`moc_lightning.replay_driver`)."""
+    parallelism; see :mod:`moc_lightning.replay.driver`)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     """Replay mode's settings (read only with ``mode=replay``)."""
     k_snapshot: int = 2

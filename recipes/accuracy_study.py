@@ -53,15 +53,15 @@ from typing import Any
 import lightning as L
 import torch
 
-from moc_lightning.cli import parse_key_values
-from moc_lightning.bench import PAPER_K, scaled_k
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.ledger import proportion_lost
+from moc_lightning.engine.ledger import proportion_lost
+from moc_lightning.engine.units import ExpertUnit, parse_unit
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.units import ExpertUnit, parse_unit
+from moc_lightning.tools.bench import PAPER_K, scaled_k
+from moc_lightning.tools.cli import parse_key_values
 
 MODEL = GPTMoEConfig()
 """``conf/model/tiny.yaml``."""

@@ -15,7 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from moc_lightning.bench import BenchConfig, markdown_table, register_configs, run_bench
+from moc_lightning.tools.bench import BenchConfig, markdown_table, register_configs, run_bench
 
 register_configs()
 

@@ -11,7 +11,7 @@ damaged stored files; after every recovery the restored state, the data order an
 stored; ``max_steps`` defaults to 16, a multiple of W: the last window ends at the last step) and holds every trial
 to the fault-free run of the same options, bitwise: every step, the state after each resume, the consolidated final
 checkpoint. Kills land inside window captures, hand-overs, seals, storage writes, the final persist, and the next
-incarnation's restore and replay (``moc_lightning.chaos.harness``).
+incarnation's restore and replay (``moc_lightning.tools.chaos.harness``).
 
 Trial ``i`` draws its faults from seed ``seed + i``; ``seeds`` runs exactly those (a failing trial's seed
 reproduces its faults). ``keep=1`` keeps each trial's directory (storage, logs, oracle records) under ``work``.
@@ -26,8 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-from moc_lightning.chaos.harness import TrialConfig, reference_records, run_trial, summary_table, tally
-from moc_lightning.cli import parse_key_values
+from moc_lightning.tools.chaos.harness import TrialConfig, reference_records, run_trial, summary_table, tally
+from moc_lightning.tools.cli import parse_key_values
 
 DEFAULT_MAX_STEPS = {"pec": 24, "replay": 16}
 """``max_steps`` by mode when not given: replay's 16 is a multiple of the default W=4, the edge case of a last window

@@ -30,9 +30,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moc_lightning.cli import parse_key_values
 from moc_lightning.config import MODES
 from moc_lightning.models.causal_lm import DATA_PARALLEL
+from moc_lightning.tools.cli import parse_key_values
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY = 5

@@ -7,7 +7,7 @@ Trains the reference GPT-MoE on 2 CPU processes under ``trainer.data_parallel=ze
 steps with snapshots and persists, samples ``/proc/self/status`` from a background thread, and prints per rank:
 the state it holds (weights + kept optimizer state; under ``fsdp2`` its local pieces), the peak ``RssAnon``/``RssShmem`` of training with no save in flight,
 the peaks during the snapshot copy, the snapshot and the persist, and each one's ``RssAnon`` growth as a % of
-the state (:mod:`moc_lightning.memory_probe`). The JSON goes to ``DIR/memory_report.json``.
+the state (:mod:`moc_lightning.tools.memory_probe`). The JSON goes to ``DIR/memory_report.json``.
 """
 
 from pathlib import Path
@@ -16,8 +16,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moc_lightning.memory_probe import MemoryReportConfig, register_configs, run_report
-from moc_lightning.training import to_train_config
+from moc_lightning.jobs.training import to_train_config
+from moc_lightning.tools.memory_probe import MemoryReportConfig, register_configs, run_report
 
 register_configs()
 

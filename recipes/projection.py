@@ -4,7 +4,7 @@
                                  [mtbf=10m,30m,2h,3.1h] [FIELD=VALUE ...]
 
 The scenario defaults to the paper's GPT-350M-16E (Table 1) trained for ``days`` on 1,024 GPUs; every
-``moc_lightning.projection.ClusterScenario`` field can be overridden (``gpus=4096 memory_survival=0.5``).
+``moc_lightning.tools.projection.ClusterScenario`` field can be overridden (``gpus=4096 memory_survival=0.5``).
 With ``bench=`` the per-rank bandwidths are the ones ``recipes/bench.py`` measured on this machine (MoC's
 snapshot copy of ``moc_paper`` and persist of ``moc_full``, else the bench's speed-of-light bounds); without
 it, or when the file is missing, the defaults below. Prints the inputs, one table of eq. 4's terms per
@@ -12,7 +12,7 @@ method, and ETTR against cluster size; ``out`` gets the same as JSON (see docs/a
 
 With a bench that measured ``moc_full``, ``moc_k1`` and ``moc_replay``, it also prints ETTR against the job's MTBF
 (``mtbf``, default 10 min, 30 min, 2 h and Llama 3's 3.1 h) for full checkpoints, PEC with Dynamic-K and replay
-mode side by side, from the bench's measured costs on this machine (:mod:`moc_lightning.mtbf_projection` has the
+mode side by side, from the bench's measured costs on this machine (:mod:`moc_lightning.tools.mtbf_projection` has the
 model); ``out`` gets it as ``mtbf_sweep``.
 
 Default assumptions (none of them measured here):
@@ -40,9 +40,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moc_lightning.cli import parse_key_values
-from moc_lightning.mtbf_projection import DEFAULT_MTBFS, MeasuredCosts, MtbfPoint, parse_duration, project_mtbf
-from moc_lightning.projection import HOUR, ClusterScenario, Projection, project_all
+from moc_lightning.tools.cli import parse_key_values
+from moc_lightning.tools.mtbf_projection import DEFAULT_MTBFS, MeasuredCosts, MtbfPoint, parse_duration, project_mtbf
+from moc_lightning.tools.projection import HOUR, ClusterScenario, Projection, project_all
 
 DAY = 24 * HOUR
 PAPER_PARAMS = 1.7e9

@@ -1,13 +1,13 @@
 """Sharding report: the busiest rank's checkpoint bytes under each ownership strategy (MoC-System Fig. 10).
 
 For GPT-350M-16E (Table 1) in the three configurations of Table 2, the units are built analytically from
-the model's shapes and the experts of each checkpoint come from ``moc_lightning.selection.SequentialSelection``.
+the model's shapes and the experts of each checkpoint come from ``moc_lightning.engine.selection.SequentialSelection``.
 Two accountings:
 
 - the paper's (Figure 10 b-d): ZeRO-2 + EP in mixed precision, DeepSpeed's default ZeRO-2 save as the
-  baseline and the paper's EE+EN and EE+AN plans (``moc_lightning.paper_accounting``), with the paper's
+  baseline and the paper's EE+EN and EE+AN plans (``moc_lightning.sharding.paper_accounting``), with the paper's
   figures beside ours and eq. 8 as printed and as read;
-- DDP (today's engine): every strategy of ``moc_lightning.sharding`` with the optimizer state replicated,
+- DDP (today's engine): every strategy of ``moc_lightning.sharding.ownership`` with the optimizer state replicated,
   scored against the ideal (total bytes over ranks), and the plan timed on simulated topologies of
   thousands of ranks.
 
@@ -28,8 +28,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moc_lightning.cli import parse_key_values
-from moc_lightning.paper_accounting import (
+from moc_lightning.engine.selection import SequentialSelection
+from moc_lightning.engine.units import DenseUnit, ExpertUnit
+from moc_lightning.sharding.ownership import STRATEGIES, Ownership, ShardingUnit, Topology, compute_ownership
+from moc_lightning.sharding.paper_accounting import (
     BASELINE,
     ZERO2_PLANS,
     MixedPrecision,
@@ -37,9 +39,7 @@ from moc_lightning.paper_accounting import (
     eq8_rank_bytes,
     zero2_checkpoint,
 )
-from moc_lightning.selection import SequentialSelection
-from moc_lightning.sharding import STRATEGIES, Ownership, ShardingUnit, Topology, compute_ownership
-from moc_lightning.units import DenseUnit, ExpertUnit
+from moc_lightning.tools.cli import parse_key_values
 
 WEIGHT_BYTES = MixedPrecision().weight_bytes
 """bf16 weights."""
@@ -415,7 +415,7 @@ class Figure10:
 
 
 ZERO2_ASSUMPTIONS = (
-    "DeepSpeed ZeRO-2 + EP as in the paper (`moc_lightning/paper_accounting.py`): bf16 weights (2 B/param) "
+    "DeepSpeed ZeRO-2 + EP as in the paper (`moc_lightning/sharding/paper_accounting.py`): bf16 weights (2 B/param) "
     "replicated on every holder, fp32 master + Adam moments (12 B/param) partitioned by ZeRO over each unit's "
     "replica group (dense units over all ranks, each expert over its expert-data-parallel group), each rank "
     "writing its own partition. Only the weights need an owner. `deepspeed`: DeepSpeed's default save (rank 0 "

@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moc_lightning.training import register_configs, run, to_train_config
+from moc_lightning.jobs.training import register_configs, run, to_train_config
 
 register_configs()
 

@@ -12,8 +12,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from moc_lightning.training import to_train_config
-from moc_lightning.training_hf import TrainHFConfig, register_configs, run_hf
+from moc_lightning.jobs.training import to_train_config
+from moc_lightning.jobs.training_hf import TrainHFConfig, register_configs, run_hf
 
 register_configs()
 

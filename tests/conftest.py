@@ -12,8 +12,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
-import xdist  # noqa: E402
 import torch  # noqa: E402
+import xdist  # noqa: E402
 from quick_bench import BenchRun, run_quick_bench  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first

@@ -1,7 +1,7 @@
 """Run a function on N local ranks (gloo on CPU) and collect what each rank returns.
 
 The ranks are forked from a fork server that has already imported torch, Lightning and moc_lightning
-(:mod:`moc_lightning.launch` says why a server and not the test process), so a rank starts in well under a second
+(:mod:`moc_lightning.runtime.launch` says why a server and not the test process), so a rank starts in well under a second
 instead of paying several seconds of imports, most of a multi-process test's time on 2 cores. A rank gets what a
 spawned one would inherit from the test at the call: its environment, working directory (``multiprocessing`` passes
 that one), and standard output and error (pytest's capture of this test, not the one the fork server started under).
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moc_lightning.launch import preload_fork_server
+from moc_lightning.runtime.launch import preload_fork_server
 
 
 def free_port() -> int:

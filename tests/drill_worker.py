@@ -6,7 +6,7 @@ recovery: every rank's full state (weights and optimizer) at each snapshot step,
 of every step, and the state right after a resume.
 
 ``python tests/drill_worker.py --out DIR ...`` is ``torchrun --standalone --nproc-per-node=4 --max-restarts=1`` of
-the training, through the same agent, with ranks forked from a preloaded server (:func:`moc_lightning.launch.standalone`):
+the training, through the same agent, with ranks forked from a preloaded server (:func:`moc_lightning.runtime.launch.standalone`):
 the 8 processes of a drill would otherwise spend most of its time importing. ``recipes/fault_drill.py`` runs the
 drills under ``torchrun``.
 """
@@ -24,13 +24,13 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning_run import DrainPersists
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, DynamicKConfig, ReplayConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.launch import standalone
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.runtime.launch import standalone
 
 MODEL = GPTMoEConfig(block_size=32)
 RANKS = 4

@@ -11,15 +11,15 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from storage_faults import fail_first_commit
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.parts import part_of
+from moc_lightning.engine.units import parse_unit
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.parts import part_of
-from moc_lightning.units import parse_unit
-from moc_lightning.window_store import WINDOW_SUFFIX, WindowHead, memory_head
+from moc_lightning.replay.window_store import WINDOW_SUFFIX, WindowHead, memory_head
 
 MODEL = GPTMoEConfig(block_size=32)
 

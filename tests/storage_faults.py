@@ -14,7 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
-from moc_lightning.checkpointer import PECCheckpointer
+from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.storage import CheckpointStorage
 
 

@@ -15,14 +15,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from moc_lightning import bench
-from moc_lightning.bench import (
-    METHODS, BenchConfig, _train_config, disk_bytes, markdown_table, run_bench, scaled_k, tensor_bytes,
-)
-from moc_lightning.models.gpt_moe import GPTMoEConfig
 from quick_bench import QUICK_BENCH, ROOT, BenchRun
 from storage_faults import takes_direct_io
+
+from moc_lightning.models.gpt_moe import GPTMoEConfig
+from moc_lightning.tools import bench
+from moc_lightning.tools.bench import (
+    METHODS,
+    BenchConfig,
+    _train_config,
+    disk_bytes,
+    markdown_table,
+    run_bench,
+    scaled_k,
+    tensor_bytes,
+)
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
            "recover_seconds")

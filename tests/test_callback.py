@@ -13,7 +13,7 @@ import torch
 from lightning_run import MODEL, fit, moc_config
 from storage_faults import small_filesystem
 
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
 
 
 class StepTimer(L.Callback):

@@ -14,7 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from moc_lightning.chaos.checks import (
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.models import GPTMoEConfig
+from moc_lightning.models.gpt_moe import GPTMoE
+from moc_lightning.replay.window_store import head_object, window_object
+from moc_lightning.runtime.faults import KILL_LINE, FaultInjector, FaultPlan
+from moc_lightning.tools.chaos.checks import (
     check_completes,
     check_data,
     check_final_state,
@@ -25,7 +30,7 @@ from moc_lightning.chaos.checks import (
     moe_prefixes,
     unit_of,
 )
-from moc_lightning.chaos.harness import (
+from moc_lightning.tools.chaos.harness import (
     REPLAY_KILL_PHASES,
     TrialConfig,
     TrialResult,
@@ -36,12 +41,7 @@ from moc_lightning.chaos.harness import (
     summary_table,
     tally,
 )
-from moc_lightning.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
-from moc_lightning.faults import KILL_LINE, FaultInjector, FaultPlan
-from moc_lightning.window_store import head_object, window_object
-from moc_lightning.layout import build_layout
-from moc_lightning.models import GPTMoEConfig
-from moc_lightning.models.gpt_moe import GPTMoE
+from moc_lightning.tools.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
 
 
 # ------------------------------------------------------------------ oracle

@@ -10,10 +10,10 @@ from dist_utils import run_ranks
 from trainee import TINY, Trainee, every_step_config, load_fresh, train_and_checkpoint
 
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.engine.parts import part_of
+from moc_lightning.engine.size_model import bytes_written, size_model
+from moc_lightning.engine.units import ExpertUnit, parse_unit
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.parts import part_of
-from moc_lightning.size_model import bytes_written, size_model
-from moc_lightning.units import ExpertUnit, parse_unit
 
 
 @pytest.mark.parametrize("k", [1, TINY.num_experts])

@@ -15,9 +15,9 @@ from dist_utils import run_ranks
 from storage_faults import FaultyStorage, os_error
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.checkpointer import COMMIT_POINTS, PECCheckpointer, checkpoint_name
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology
+from moc_lightning.pec.checkpointer import COMMIT_POINTS, PECCheckpointer, checkpoint_name
 from moc_lightning.storage import CheckpointStorage, make_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")

@@ -18,11 +18,11 @@ from lightning_run import FailFirstCommit, Recorder, check_sources, fit, fit_or_
 from storage_faults import fail_first_commit
 from trainee import Trainee, every_step_config
 
-from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.checkpointer import PersistFailed, SaveReport
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.engine.units import parse_unit
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import ExpertParallelTopology, GPTMoEConfig
-from moc_lightning.units import parse_unit
+from moc_lightning.pec.checkpointer import PersistFailed, SaveReport
 
 MODEL_16E = GPTMoEConfig(block_size=32, num_experts=16)
 MOE_LAYERS = 2  # n_layer=4, an MoE block every other one

@@ -10,11 +10,11 @@ import pytest
 import torch
 from trainee import Trainee, every_step_config
 
-from moc_lightning.completeness import IncompleteRestore, state_digest
-from moc_lightning.manifest import Manifest
+from moc_lightning.engine.completeness import IncompleteRestore, state_digest
+from moc_lightning.engine.manifest import Manifest
+from moc_lightning.memory.snapshot import SnapshotStore
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.snapshot import SnapshotStore
-from moc_lightning.two_level import TwoLevelCheckpointer
 
 
 def _engine(root: Path) -> tuple[Trainee, TwoLevelCheckpointer]:

@@ -12,12 +12,12 @@ from dist_utils import run_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from trainee import TINY
 
-from moc_lightning.compute_dtype import compute_dtypes
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.compute_dtype import compute_dtypes
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.units import ExpertUnit
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
 from moc_lightning.models.sharded import data_parallel_meshes
-from moc_lightning.replay import WindowRecord, offset_bytes, window_schedule
-from moc_lightning.units import ExpertUnit
+from moc_lightning.replay.core import WindowRecord, offset_bytes, window_schedule
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 WINDOW = 4

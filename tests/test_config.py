@@ -11,10 +11,10 @@ from hydra.errors import ConfigCompositionException
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from moc_lightning.bench import register_configs as register_bench_configs
 from moc_lightning.config import CheckpointConfig
-from moc_lightning import training
-from moc_lightning.training import TrainConfig, register_configs, to_train_config
+from moc_lightning.jobs import training
+from moc_lightning.jobs.training import TrainConfig, register_configs, to_train_config
+from moc_lightning.tools.bench import register_configs as register_bench_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # Options that a group's config leaves for the user to fill (``???``).
@@ -190,7 +190,8 @@ def test_replay_mode_composes_under_the_sharded_modes(data_parallel: str, precis
 def _hf_train_config(overrides: list[str]):
     """``conf/train_hf.yaml`` composed and turned into objects (needs the hf extra)."""
     pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'moc_lightning[hf]'")
-    from moc_lightning.training_hf import TrainHFConfig, register_configs as register_hf_configs
+    from moc_lightning.jobs.training_hf import TrainHFConfig
+    from moc_lightning.jobs.training_hf import register_configs as register_hf_configs
 
     register_hf_configs()
     return to_train_config(_compose(overrides, root="train_hf"), TrainHFConfig)
@@ -223,7 +224,7 @@ def test_the_hf_recipe_trains_its_module_with_the_configured_data_parallel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _hf_train_config(["trainer.data_parallel=zero2"])
-    from moc_lightning import training_hf
+    from moc_lightning.jobs import training_hf
 
     fitted: list[L.LightningModule] = []
     monkeypatch.setattr(training_hf, "fit", lambda cfg, module, data, output_dir: fitted.append(module))

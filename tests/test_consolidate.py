@@ -17,17 +17,23 @@ from storage_faults import flip_byte_of, flip_middle_byte
 from torch import nn
 from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
 
-from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.config import StorageConfig
-from moc_lightning.consolidate import (
-    OPTIMIZER_KEY, ConsolidateError, DenseCheckpoint, assemble, consolidate, main, place,
+from moc_lightning.engine.layout import build_layout, param_key, state_key
+from moc_lightning.engine.manifest import CheckpointRecord
+from moc_lightning.engine.units import ExpertUnit
+from moc_lightning.export.consolidate import (
+    OPTIMIZER_KEY,
+    ConsolidateError,
+    DenseCheckpoint,
+    assemble,
+    consolidate,
+    main,
+    place,
 )
-from moc_lightning.layout import build_layout, param_key, state_key
-from moc_lightning.manifest import CheckpointRecord
 from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.lightning import GPTMoEModule
+from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.storage import make_storage
-from moc_lightning.units import ExpertUnit
 
 pytestmark = pytest.mark.xdist_group("consolidate")  # one pytest-xdist worker trains the module's run once
 

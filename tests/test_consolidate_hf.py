@@ -15,17 +15,17 @@ import torch.distributed.checkpoint as dcp
 from lightning_run import cpu_trainer, moc_config
 from safetensors.torch import load_file
 
-from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.consolidate import OPTIMIZER_KEY, consolidate, main
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.hf_format import CONFIG, INDEX
+from moc_lightning.export.consolidate import OPTIMIZER_KEY, consolidate, main
+from moc_lightning.export.hf_format import CONFIG, INDEX
+from moc_lightning.lightning.callback import MoCCheckpoint
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'moc_lightning[hf]'")
+from test_hf_families import FAMILIES, VOCAB, Wrapped  # noqa: E402
+from test_hf_families import N as N_EXPERTS  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 from moc_lightning.models.hf import HFCausalLMModule, HFModelConfig, build_model  # noqa: E402
-from test_hf_families import FAMILIES, VOCAB, Wrapped  # noqa: E402
-from test_hf_families import N as N_EXPERTS  # noqa: E402
 
 DEEPSEEK_V3 = HFModelConfig(
     model_type="deepseek_v3",

@@ -10,11 +10,11 @@ import torch
 from storage_faults import DAMAGES, flip_byte_of
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.checkpointer import MANIFEST
-from moc_lightning.manifest import Manifest
+from moc_lightning.engine.manifest import Manifest
+from moc_lightning.engine.units import ExpertUnit
+from moc_lightning.memory.snapshot import SnapshotStore
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.snapshot import SnapshotStore
-from moc_lightning.units import ExpertUnit
+from moc_lightning.pec.checkpointer import MANIFEST
 
 
 def _two_checkpoints(url: str) -> tuple[dict[int, dict[str, torch.Tensor]], Path]:

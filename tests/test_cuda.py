@@ -20,18 +20,18 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from test_expert_parallel import _ep_step, check_against_one_process
 
-from moc_lightning import snapshot
-from moc_lightning.background import background_executor
-from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.memory import snapshot
+from moc_lightning.memory.snapshot import NUM_SLOTS, SnapshotStore
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.runtime.background import background_executor
 from moc_lightning.storage import make_storage
-from moc_lightning.two_level import TwoLevelCheckpointer
 
 WIDE = GPTMoEConfig(block_size=32, n_layer=2, n_embd=512, n_head=4, num_experts=8)
 """Experts of 2 x 512 x 2048 weights: with AdamW's moments 0.25 GB of state, whose copy takes milliseconds."""

@@ -14,7 +14,7 @@ from lightning_run import cpu_trainer
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.models import GPTMoE, GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.zero import ZeroAdamW
+from moc_lightning.sharding.zero import ZeroAdamW
 
 # Capacity large enough that no token is dropped; 4 experts, every rank holding all of them (ep=1), so both
 # the dense state and each expert's are partitioned over the 2 ranks.

@@ -9,7 +9,7 @@ import pytest
 from trainee import Trainee, every_step_config
 
 from moc_lightning.config import DynamicKConfig
-from moc_lightning.ledger import DEFAULT_PLT_THRESHOLD
+from moc_lightning.engine.ledger import DEFAULT_PLT_THRESHOLD
 from moc_lightning.models import ExpertParallelTopology
 
 WARMUP, BETWEEN_FAULTS, FAULTS = 80, 8, 7

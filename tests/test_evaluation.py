@@ -15,9 +15,9 @@ import torch
 from dist_utils import run_ranks
 from lightning_run import MODEL, cpu_trainer, datamodule, moc_config
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.data import LMDataModule
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models.causal_lm import Batch
 from moc_lightning.models.lightning import GPTMoEModule
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moc_lightning.ledger import NEVER
-from moc_lightning.manifest import Manifest
-from moc_lightning.parts import PARTS, part_of
-from moc_lightning.units import parse_unit
+from moc_lightning.engine.ledger import NEVER
+from moc_lightning.engine.manifest import Manifest
+from moc_lightning.engine.parts import PARTS, part_of
+from moc_lightning.engine.units import parse_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY, PERSIST_EVERY = 5, 2  # snapshots at 5, 10, 15, ...; persists at 5, 15, 25, ...

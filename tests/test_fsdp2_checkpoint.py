@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from lightning_run import source_step
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning_run import source_step
 from safetensors.torch import load_file
 from test_checkpointer import check_round_trip
 from test_consolidate import _assert_weights_equal as assert_weights_equal
@@ -25,20 +25,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from trainee import TINY, Trainee, every_step_config, load_fresh, train_and_checkpoint
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, StorageConfig
-from moc_lightning.consolidate import consolidate
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.ledger import NEVER
+from moc_lightning.engine.parts import split_part_key
+from moc_lightning.engine.pieces import check_supported, replicas
+from moc_lightning.engine.size_model import size_model
+from moc_lightning.engine.units import ExpertUnit, parse_unit
+from moc_lightning.export.consolidate import consolidate
+from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.memory.snapshot import SnapshotStore
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import data_parallel_meshes, shard_gpt_moe
-from moc_lightning.ledger import NEVER
-from moc_lightning.parts import split_part_key
-from moc_lightning.pieces import check_supported, replicas
-from moc_lightning.size_model import size_model
-from moc_lightning.snapshot import SnapshotStore
-from moc_lightning.two_level import TwoLevelCheckpointer
-from moc_lightning.units import ExpertUnit, parse_unit
 
 pytestmark = pytest.mark.xdist_group("fsdp2_checkpoint")  # one worker writes the module's checkpoints once
 

@@ -26,19 +26,18 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_run import Crash, moc_config
+from safetensors.torch import load_file
 from titan_moe import TitanMoE, titan_route
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from safetensors.torch import load_file
-
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.consolidate import consolidate
 from moc_lightning.data import DataConfig, LMDataModule
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.export.consolidate import consolidate
+from moc_lightning.lightning.callback import MoCCheckpoint
 
 VOCAB, SEQ, BATCH, N = 64, 16, 4, 8
 CRASH_AFTER = 7

@@ -15,9 +15,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from moc_lightning.bench import METHODS, BenchConfig
-from moc_lightning.bench import register_configs as register_bench_configs
-from moc_lightning.training import register_configs, to_train_config
+from moc_lightning.jobs.training import register_configs, to_train_config
+from moc_lightning.tools.bench import METHODS, BenchConfig
+from moc_lightning.tools.bench import register_configs as register_bench_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_GPUS = 2

@@ -23,9 +23,9 @@ from lightning_run import cpu_trainer, moc_config
 from titan_moe import TitanMoE, titan_route
 from torch import nn
 
-from moc_lightning.callback import MoCCheckpoint
-from moc_lightning.layout import build_layout
-from moc_lightning.units import parse_unit
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.units import parse_unit
+from moc_lightning.lightning.callback import MoCCheckpoint
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face families need transformers (pip install moc_lightning[hf])"

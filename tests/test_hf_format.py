@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moc_lightning.hf_format import INDEX, HFFormatError, model_prefix, parse_size, shard, write_hf
+from moc_lightning.export.hf_format import INDEX, HFFormatError, model_prefix, parse_size, shard, write_hf
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ from test_checkpointer import check_round_trip
 from test_fsdp2_checkpoint import no_gathering, snapshot_and_recover
 from trainee import Trainee, every_step_config, load_fresh, train_and_checkpoint
 
-from moc_lightning.ledger import NEVER
+from moc_lightning.engine.ledger import NEVER
+from moc_lightning.engine.parts import part_of
+from moc_lightning.engine.units import parse_unit
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.parts import part_of
-from moc_lightning.units import parse_unit
 
 pytestmark = pytest.mark.xdist_group("hsdp_checkpoint")  # one worker writes the module's checkpoints once
 

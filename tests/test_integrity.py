@@ -27,11 +27,11 @@ from storage_faults import (
 from torch.distributed.checkpoint.api import CheckpointException
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.checkpointer import MANIFEST, PECCheckpointer, PersistFailed
-from moc_lightning.layout import build_layout
-from moc_lightning.manifest import Manifest
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.manifest import Manifest
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.planner import MoCSavePlanner
+from moc_lightning.pec.checkpointer import MANIFEST, PECCheckpointer, PersistFailed
+from moc_lightning.sharding.planner import MoCSavePlanner
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, make_storage
 from moc_lightning.storage.filesystem import ChecksummedStorageInfo
 from moc_lightning.storage.integrity import find_cause

@@ -5,8 +5,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from moc_lightning.layout import Layout, build_layout
-from moc_lightning.units import DenseUnit, ExpertUnit, dense, expert
+from moc_lightning.engine.layout import Layout, build_layout
+from moc_lightning.engine.units import DenseUnit, ExpertUnit, dense, expert
 
 
 def model_from_names(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -402,7 +402,7 @@ def test_unit_kinds() -> None:
 
 def test_reference_gpt_moe_on_ep_rank_1() -> None:
     gpt_moe = pytest.importorskip("moc_lightning.models.gpt_moe")
-    parallel = pytest.importorskip("moc_lightning.models.parallel")
+    parallel = pytest.importorskip("moc_lightning.runtime.expert_parallel")
     cfg = gpt_moe.GPTMoEConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8, num_experts=4)
     holder = nn.Module()
     holder.model = gpt_moe.GPTMoE(cfg, parallel.ExpertParallelTopology(world_size=2, rank=1, ep=2))

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from moc_lightning.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k, proportion_lost
+from moc_lightning.engine.ledger import NEVER, DynamicK, FaultReport, TokenLedger, check_k, proportion_lost
 
 
 def record(ledger: TokenLedger, layer0: list[int], assigned0: int, layer1: list[int], assigned1: int) -> None:

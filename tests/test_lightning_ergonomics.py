@@ -11,10 +11,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_run import MODEL, cpu_trainer, datamodule, fit, moc_config
 
-from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.jobs.training import TrainConfig, TrainerConfig, build_trainer
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.training import TrainConfig, TrainerConfig, build_trainer
 
 
 def _moc(tmp_path: Path) -> MoCCheckpoint:

@@ -18,16 +18,17 @@ from lightning_run import DrainPersists, FailFirstCommit, Recorder, check_source
 from storage_faults import flip_middle_byte
 from trainee import TINY, Trainee, every_step_config
 
-from moc_lightning.callback import check_shm_root
-from moc_lightning.checkpointer import PECCheckpointer, PersistFailed
 from moc_lightning.config import CheckpointConfig
-from moc_lightning.layout import build_layout
-from moc_lightning.lineage import Lineage, Segment, fingerprint
-from moc_lightning.manifest import Manifest
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.lineage import Lineage, Segment, fingerprint
+from moc_lightning.engine.manifest import Manifest
+from moc_lightning.lightning.callback import check_shm_root
+from moc_lightning.lightning.start import SET_ASIDE
+from moc_lightning.memory.snapshot import NUM_SLOTS
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.snapshot import NUM_SLOTS
-from moc_lightning.start import SET_ASIDE
+from moc_lightning.pec.checkpointer import PECCheckpointer, PersistFailed
 from moc_lightning.storage import make_storage
+
 
 def _config(tmp_path: Path, **kw: Any) -> CheckpointConfig:
     return moc_config(tmp_path, **{"every_n_train_steps": 5, "persist_every_n_snapshots": 2, **kw})

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from trainee import Trainee
 
-from moc_lightning.checkpointer import CheckpointRecord
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.memory.snapshot import SnapshotStore
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.snapshot import SnapshotStore
-from moc_lightning.two_level import TwoLevelCheckpointer
+from moc_lightning.pec.checkpointer import CheckpointRecord
 
 
 def _select_while_a_commit_lands(rank: int, world_size: int, url: str, shm: str) -> list[Any]:

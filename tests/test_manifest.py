@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moc_lightning.manifest import CheckpointRecord, Manifest, ManifestError
-from moc_lightning.sealed import seal
+from moc_lightning.engine.manifest import CheckpointRecord, Manifest, ManifestError
+from moc_lightning.storage.sealed import seal
 
 DENSE = ("dense/a", "dense/b")
 

@@ -15,11 +15,11 @@ from dist_utils import run_ranks
 from omegaconf import OmegaConf
 from trainee import TINY, Trainee
 
-from moc_lightning.layout import build_layout
-from moc_lightning.memory_probe import RssSampler, growth_rows, held_state_bytes
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.pieces import piece
 from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.gpt_moe import GPTMoE, GPTMoEConfig
-from moc_lightning.pieces import piece
+from moc_lightning.tools.memory_probe import RssSampler, growth_rows, held_state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH = re.compile(

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from moc_lightning.mtbf_projection import (
-    MeasuredCosts, accumulated_plt, parse_duration, project_full, project_mtbf, project_pec_dynamic_k, project_replay,
+from moc_lightning.tools.mtbf_projection import (
+    MeasuredCosts,
+    accumulated_plt,
+    parse_duration,
+    project_full,
+    project_mtbf,
+    project_pec_dynamic_k,
+    project_replay,
     young_interval,
 )
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from quick_bench import QUICK_BENCH, BenchRun
 
 ROOT = Path(__file__).resolve().parents[1]

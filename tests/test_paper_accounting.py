@@ -11,14 +11,14 @@ from types import ModuleType
 
 import pytest
 
-from moc_lightning.paper_accounting import (
+from moc_lightning.sharding.ownership import ShardingUnit, Topology
+from moc_lightning.sharding.paper_accounting import (
     ZERO2_PLANS,
     MixedPrecision,
     eq8_rank_bytes,
     optimizer_partitions,
     zero2_checkpoint,
 )
-from moc_lightning.sharding import ShardingUnit, Topology
 
 REPO = Path(__file__).resolve().parents[1]
 TOPOLOGY = Topology(world_size=4, ep=2)

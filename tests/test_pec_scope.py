@@ -19,8 +19,8 @@ from test_checkpointer import check_round_trip
 from trainee import TINY, Trainee, every_step_config, load_fresh, train_and_checkpoint
 
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.engine.size_model import size_model
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.size_model import size_model
 
 SCOPES = ("both", "optimizer", "weights")
 """Under ``optimizer`` and ``weights`` the scope names the part of an expert that only K experts per layer get."""

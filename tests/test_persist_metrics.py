@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch.loggers.logger import Logger
 from lightning_run import MODEL, cpu_trainer, datamodule, moc_config
 
-from moc_lightning.callback import MoCCheckpoint
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models.lightning import GPTMoEModule
 
 

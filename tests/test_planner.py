@@ -6,7 +6,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from moc_lightning.planner import MoCSavePlanner, owned_bytes, tensor_row_range
+from moc_lightning.sharding.planner import MoCSavePlanner, owned_bytes, tensor_row_range
 
 
 def _plans(state: dict[str, torch.Tensor], writes_by_rank: list[dict | None]) -> tuple[list, object]:

@@ -1,4 +1,4 @@
-"""Eq. 3/4 and ETTR (moc_lightning.projection): hand-computed cases, monotonicity, validation."""
+"""Eq. 3/4 and ETTR (moc_lightning.tools.projection): hand-computed cases, monotonicity, validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moc_lightning.projection import (
+from moc_lightning.tools.projection import (
     ClusterScenario,
     ettr,
     expected_faults,

@@ -1,4 +1,4 @@
-"""The speed of light of a restore from storage (:mod:`moc_lightning.read_speed`): a sequential read of a fresh file,
+"""The speed of light of a restore from storage (:mod:`moc_lightning.storage.read_speed`): a sequential read of a fresh file,
 its pages evicted from the page cache first, as the benchmark evicts the replay windows' objects."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moc_lightning.read_speed import evict, read_gbps, read_through
-from moc_lightning.sealed import CHECKSUM_SLICE, checksum, checksum_view
+from moc_lightning.storage.read_speed import evict, read_gbps, read_through
+from moc_lightning.storage.sealed import CHECKSUM_SLICE, checksum, checksum_view
 
 
 def test_the_read_bound_reads_a_fresh_file_of_the_size_and_removes_it(tmp_path: Path) -> None:

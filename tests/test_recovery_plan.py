@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from moc_lightning.ledger import NEVER
-from moc_lightning.manifest import CheckpointRecord, Manifest
-from moc_lightning.recovery import SlotInventory, Source, piece_donors, plan_recovery
+from moc_lightning.engine.ledger import NEVER
+from moc_lightning.engine.manifest import CheckpointRecord, Manifest
+from moc_lightning.memory.recovery import SlotInventory, Source, piece_donors, plan_recovery
 
 DENSE = ["dense/a", "dense/b"]
 EXPERTS = ["expert/L0/E0", "expert/L0/E1", "expert/L0/E2", "expert/L0/E3"]

@@ -1,4 +1,4 @@
-"""Replay mode's core (moc_lightning/replay.py): a window of sparse captures, replayed from any state, lands
+"""Replay mode's core (moc_lightning/replay/core.py): a window of sparse captures, replayed from any state, lands
 bitwise on the fault-free state; restoring the captures without the replay does not."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from buffered_model import BufferedMoE, WIDTH, assert_same_state, full_state
+from buffered_model import WIDTH, BufferedMoE, assert_same_state, full_state
 from torch import nn
 
-from moc_lightning.layout import Layout, UnitBytes, build_layout
+from moc_lightning.engine.layout import Layout, UnitBytes, build_layout
+from moc_lightning.engine.units import ExpertUnit, dense, expert
 from moc_lightning.models import GPTMoE, GPTMoEConfig
-from moc_lightning.replay import Replay, WindowRecord, capture_bytes, replay, restore_units, window_schedule
-from moc_lightning.units import ExpertUnit, dense, expert
+from moc_lightning.replay.core import Replay, WindowRecord, capture_bytes, replay, restore_units, window_schedule
 
 GPT = GPTMoEConfig(block_size=16, n_layer=2, n_embd=32, num_experts=4, gate_noise=0.1)
 """The reference GPT-MoE with 4 experts and noisy gating, so an iteration consumes global RNG."""

@@ -22,11 +22,11 @@ import torch
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 from storage_faults import os_error
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.replay_driver import WINDOW_PREFIX, WindowLog
+from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.replay.driver import WINDOW_PREFIX, WindowLog
+from moc_lightning.replay.window_store import STORAGE_COPIES, window_object
 from moc_lightning.storage import make_storage
-from moc_lightning.window_store import STORAGE_COPIES, window_object
 
 pytestmark = pytest.mark.xdist_group("replay_background")  # one worker runs the uninterrupted fit once
 
@@ -81,7 +81,7 @@ def _wrap_storage(monkeypatch: pytest.MonkeyPatch, before: Callable[[int], None]
     """Every storage the callback opens during the patch puts its windows through the returned :class:`WindowPuts`."""
     puts = WindowPuts(before)
     monkeypatch.setattr(
-        "moc_lightning.callback.make_storage", lambda backend, url: SlowableStorage(make_storage(backend, url), puts)
+        "moc_lightning.lightning.callback.make_storage", lambda backend, url: SlowableStorage(make_storage(backend, url), puts)
     )
     return puts
 

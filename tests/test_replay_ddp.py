@@ -21,17 +21,17 @@ import torch
 from dist_utils import run_ranks
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from lightning_run import MODEL, Crash, Recorder, cpu_trainer, datamodule, moc_config
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL
-from moc_lightning.replay_driver import WindowLog
+from moc_lightning.replay.driver import WindowLog
+from moc_lightning.replay.window_file import WINDOW_SLOTS
+from moc_lightning.replay.window_store import STORAGE_COPIES, WINDOW_SUFFIX, head_object, memory_head, window_object
 from moc_lightning.storage import make_storage
-from moc_lightning.window_file import WINDOW_SLOTS
-from moc_lightning.window_store import STORAGE_COPIES, WINDOW_SUFFIX, head_object, memory_head, window_object
 
 MAX_STEPS = 10
 WINDOW = 3

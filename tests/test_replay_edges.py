@@ -18,12 +18,12 @@ import pytest
 import torch
 from lightning_run import MODEL, Crash, Recorder, cpu_trainer, datamodule, fit, moc_config
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.consolidate import consolidate
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.export.consolidate import consolidate
+from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.two_level import TwoLevelCheckpointer
 
 pytestmark = pytest.mark.xdist_group("replay_edges")  # one worker trains the fault-free run once
 

@@ -23,15 +23,16 @@ import pytest
 import torch
 from lightning_run import Crash, cpu_trainer, moc_config
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
 from moc_lightning.data import DataConfig, LMDataModule, StatefulDataLoader
+from moc_lightning.lightning.callback import MoCCheckpoint
 
 pytest.importorskip(
     "transformers", reason="the Hugging Face families need transformers (pip install 'moc_lightning[hf]')"
 )
-from moc_lightning.models.hf import HFCausalLMModule, HFModelConfig, build_model  # noqa: E402
 from test_hf_families import BATCH, FAMILIES, SEQ, VOCAB, Wrapped  # noqa: E402
+
+from moc_lightning.models.hf import HFCausalLMModule, HFModelConfig, build_model  # noqa: E402
 
 MAX_STEPS = 9
 WINDOW = 3

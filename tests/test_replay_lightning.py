@@ -18,10 +18,11 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 
-from moc_lightning import callback, replay_driver
-from moc_lightning.background import spare_core
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.window_store import window_object
+from moc_lightning.lightning import callback
+from moc_lightning.replay import driver as replay_driver
+from moc_lightning.replay.window_store import window_object
+from moc_lightning.runtime.background import spare_core
 
 MAX_STEPS = 12
 WINDOW = 3

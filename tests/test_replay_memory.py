@@ -10,17 +10,16 @@ from typing import Any
 import lightning as L
 import pytest
 from lightning_run import Recorder, fit, moc_config
-
 from trainee import TINY
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
-from moc_lightning.replay import offset_bytes
-from moc_lightning.replay_memory import window_memory, window_plan, window_sizes
-from moc_lightning.window_file import FOOTER
-from moc_lightning.zero import ZeroAdamW, partition_by_units
+from moc_lightning.replay.core import offset_bytes
+from moc_lightning.replay.memory import window_memory, window_plan, window_sizes
+from moc_lightning.replay.window_file import FOOTER
+from moc_lightning.sharding.zero import ZeroAdamW, partition_by_units
 
 WINDOW = 3
 

@@ -10,9 +10,9 @@ from dist_utils import run_ranks
 from test_checkpointer import check_round_trip
 from trainee import Trainee, every_step_config, load_fresh, train_and_checkpoint
 
-from moc_lightning.consolidate import OPTIMIZER_KEY, consolidate
+from moc_lightning.engine.units import parse_unit
+from moc_lightning.export.consolidate import OPTIMIZER_KEY, consolidate
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.units import parse_unit
 
 pytestmark = pytest.mark.xdist_group("resharding")  # one pytest-xdist worker writes the module's checkpoints once
 

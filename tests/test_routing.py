@@ -14,11 +14,11 @@ from titan_moe import TitanMoE
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import DynamicKConfig
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.routing import RouterTap, read_routing
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
-from moc_lightning.routing import RouterTap, read_routing
 
 
 def test_read_routing_takes_indices_then_a_dispatch_mask_then_logits() -> None:

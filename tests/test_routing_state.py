@@ -21,24 +21,24 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from buffered_model import N as BUFFERED_N
 from buffered_model import BufferedMoE, StackedMoE
+from buffered_model import N as BUFFERED_N
 from dist_utils import run_ranks
 from lightning_run import cpu_trainer, moc_config
 from titan_moe import TitanMoE
 from torch import nn
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig
-from moc_lightning.layout import Layout, build_layout
-from moc_lightning.models.parallel import ExpertParallelTopology
-from moc_lightning.units import Unit, dense, expert
-from moc_lightning.zero import ZeroAdamW, partition_by_units
+from moc_lightning.engine.layout import Layout, build_layout
+from moc_lightning.engine.units import Unit, dense, expert
+from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
+from moc_lightning.sharding.zero import ZeroAdamW, partition_by_units
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face families need transformers (pip install moc_lightning[hf])"
 )
-from test_hf_families import CRASH_AFTER, FAMILIES, N, Crash, Wrapped  # noqa: E402
+from test_hf_families import CRASH_AFTER, FAMILIES, Crash, N, Wrapped  # noqa: E402
 
 ROUTING = re.compile(r".*\.(expert_bias|e_score_correction_bias)$")
 """The routing buffers of the torchtitan-style model and of DeepSeek-V3, by torch's names."""
@@ -109,7 +109,7 @@ def test_checkpoint_expert_buffers_must_be_a_list_of_regular_expressions(pattern
 
 
 class Zero2(Wrapped):
-    """The minimal module with ZeRO-2: each unit's optimizer state on one rank (:mod:`moc_lightning.zero`)."""
+    """The minimal module with ZeRO-2: each unit's optimizer state on one rank (:mod:`moc_lightning.sharding.zero`)."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         partition = partition_by_units(build_layout(self, None), ExpertParallelTopology.replicated())

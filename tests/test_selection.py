@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moc_lightning.selection import (
+from moc_lightning.engine.selection import (
     LoadAwareSelection,
     Selection,
     SequentialSelection,
@@ -14,7 +14,7 @@ from moc_lightning.selection import (
     make_policy,
     rank_interleaved,
 )
-from moc_lightning.units import expert
+from moc_lightning.engine.units import expert
 
 
 @st.composite

@@ -13,9 +13,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from moc_lightning.models import GPTMoEConfig
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig, StorageConfig
+from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.models import GPTMoEConfig
 from moc_lightning.models.hf import HFCausalLMModule
 from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import check_precision, check_shard_size

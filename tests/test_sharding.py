@@ -17,8 +17,7 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from moc_lightning.paper_accounting import ZERO2_PLANS
-from moc_lightning.sharding import (
+from moc_lightning.sharding.ownership import (
     STRATEGIES,
     Ownership,
     Shard,
@@ -28,6 +27,7 @@ from moc_lightning.sharding import (
     equal_experts_ownership,
     plan_ownership,
 )
+from moc_lightning.sharding.paper_accounting import ZERO2_PLANS
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,11 +3,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from moc_lightning.layout import build_layout
-from moc_lightning.size_model import bytes_written, expected_bytes, size_model
-from moc_lightning.units import dense, expert
 from test_layout import model_from_names, reference_names, stepped
+
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.size_model import bytes_written, expected_bytes, size_model
+from moc_lightning.engine.units import dense, expert
 
 EXPERT_NUMEL = 8 * 4 + 8 + 4 * 8 + 4
 """fc.weight, fc.bias, proj.weight, proj.bias of one reference expert."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from moc_lightning.manifest import Manifest, ManifestError
+from moc_lightning.engine.manifest import Manifest, ManifestError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts" / "slurm"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moc_lightning.snapshot import SnapshotStore
+from moc_lightning.memory.snapshot import SnapshotStore
 
 
 def _tensors() -> dict[str, torch.Tensor]:

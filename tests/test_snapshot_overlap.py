@@ -17,21 +17,22 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from buffered_model import N, BufferedMoE, assert_same_state, full_state, optimizer_of, train
+from buffered_model import BufferedMoE, N, assert_same_state, full_state, optimizer_of, train
 from dist_utils import run_ranks
 from lightning_run import MODEL, Recorder, fit, moc_config
 from test_training_state import _engine
 from trainee import Trainee, every_step_config
 
+from moc_lightning.memory import two_level
+from moc_lightning.memory.snapshot import SnapshotStore
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.snapshot import SnapshotStore
-from moc_lightning import two_level
-from moc_lightning.two_level import TwoLevelCheckpointer
+
 
 @pytest.fixture(autouse=True)
 def spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """A core free for the copy thread, as on a GPU node (on this 2-core machine the copy stays on the training
-    thread: :func:`moc_lightning.background.spare_core`)."""
+    thread: :func:`moc_lightning.runtime.background.spare_core`)."""
     monkeypatch.setattr(two_level, "spare_core", lambda: True)
 
 

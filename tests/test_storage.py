@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.planner import (
 from zarr.core.dtype import data_type_registry
 from zarr.core.dtype.npy.float import Float16
 
-from moc_lightning.sealed import checksum
 from moc_lightning.storage import CheckpointStorage, inflight, make_storage, objects, zarr_arrays, zarr_dcp
+from moc_lightning.storage.sealed import checksum
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning", "ignore:Detected an existing checkpoint:UserWarning"
@@ -110,7 +110,7 @@ def test_put_get_replace_and_missing(storage: CheckpointStorage) -> None:
 
 
 def test_a_control_object_under_a_local_root_is_a_local_file_a_put_replaces(storage: CheckpointStorage) -> None:
-    """Replay windows are mapped from it (:mod:`moc_lightning.window_store`): a put must give the name a new file, so
+    """Replay windows are mapped from it (:mod:`moc_lightning.replay.window_store`): a put must give the name a new file, so
     that a mapping of the old one keeps its bytes; a remote kvstore has no such file."""
     storage.put("replay_window.rank0.0.pt", b"old")
     path = storage.local_file("replay_window.rank0.0.pt")
@@ -124,7 +124,7 @@ def test_a_control_object_under_a_local_root_is_a_local_file_a_put_replaces(stor
 
 
 def test_put_file_stores_a_local_file_as_an_object_replacing_it_whole(storage: CheckpointStorage, tmp_path: Path) -> None:
-    """A replay window goes to storage as a copy of its file in shared memory (:mod:`moc_lightning.window_store`):
+    """A replay window goes to storage as a copy of its file in shared memory (:mod:`moc_lightning.replay.window_store`):
     the object gets the file's bytes and, under a local root, a new file (a mapping of the old one keeps its
     bytes), with no temp file left."""
     source = tmp_path / "window in shared memory"
@@ -143,7 +143,7 @@ def test_put_file_stores_a_local_file_as_an_object_replacing_it_whole(storage: C
 def test_put_file_returns_the_crc32c_of_the_bytes_it_stored(
     storage: CheckpointStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stored replay window's head names its object's CRC32C (:mod:`moc_lightning.window_store`), computed while
+    """A stored replay window's head names its object's CRC32C (:mod:`moc_lightning.replay.window_store`), computed while
     the file is copied rather than in a second read of it: it is the CRC32C of the bytes read back, over several
     chunks and a short last one."""
     monkeypatch.setattr(objects, "COPY_CHUNK", 1 << 16)
@@ -519,8 +519,8 @@ def test_filesystem_writer_writes_tensors_from_their_own_memory(tmp_path: Path) 
     """A persist must not materialise a copy of what it writes (issue 12: a save's peak RSS): the raw writer
     hands each tensor's own bytes to the file and the checksum, so writing 3 x 64 MB grows ``RssAnon`` by far
     less than one tensor (a copy per item, kept while the next one is made, grew it by two)."""
-    from moc_lightning.memory_probe import RssSampler
     from moc_lightning.storage.filesystem import DurableFileSystemWriter, VerifyingFileSystemReader
+    from moc_lightning.tools.memory_probe import RssSampler
 
     state = {f"t{i}": torch.randn(16 * 2**20) for i in range(3)}  # 64 MB each, every page touched
     sampler = RssSampler(interval=0.001)

@@ -9,18 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
-from storage_faults import FaultyStorage
 from lightning_run import MODEL, fit, moc_config
+from storage_faults import FaultyStorage
 
-import moc_lightning.callback as callback_module
-from moc_lightning.checkpointer import LoadReport, PECCheckpointer
+import moc_lightning.lightning.callback as callback_module
 from moc_lightning.config import CheckpointConfig
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.memory.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.snapshot import NUM_SLOTS, SnapshotStore
+from moc_lightning.pec.checkpointer import LoadReport, PECCheckpointer
 from moc_lightning.storage import make_storage
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from test_train_recipe import _column, _read_metrics
 
-from moc_lightning.manifest import Manifest
-from moc_lightning.sealed import unseal
+from moc_lightning.engine.manifest import Manifest
+from moc_lightning.storage.sealed import unseal
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from moc_lightning.manifest import Manifest
-from moc_lightning.units import parse_unit
+from moc_lightning.engine.manifest import Manifest
+from moc_lightning.engine.units import parse_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 

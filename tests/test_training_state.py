@@ -10,20 +10,20 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-from buffered_model import N, BufferedMoE, StackedMoE, assert_same_state, full_state, optimizer_of, train
+from buffered_model import BufferedMoE, N, StackedMoE, assert_same_state, full_state, optimizer_of, train
 from dist_utils import run_ranks
+from torch import nn
 
-from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.config import CheckpointConfig, StorageConfig
-from moc_lightning.consolidate import consolidate
-from moc_lightning.layout import build_layout
-from moc_lightning.models.parallel import ExpertParallelTopology
-from moc_lightning.size_model import size_model
-from moc_lightning.snapshot import SnapshotStore
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.size_model import size_model
+from moc_lightning.engine.units import dense, expert
+from moc_lightning.export.consolidate import consolidate
+from moc_lightning.memory.snapshot import SnapshotStore
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
 from moc_lightning.storage import make_storage
-from moc_lightning.two_level import TwoLevelCheckpointer
-from moc_lightning.units import dense, expert
 
 
 def _engine(

@@ -16,9 +16,9 @@ from dist_utils import run_ranks
 from lightning_run import MODEL, cpu_trainer, moc_config
 from torch.utils.data import DataLoader
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models.lightning import GPTMoEModule
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from moc_lightning.units import DenseUnit, ExpertUnit, dense, expert, parse_unit
+from moc_lightning.engine.units import DenseUnit, ExpertUnit, dense, expert, parse_unit
 
 
 def test_keys_are_stable_strings() -> None:

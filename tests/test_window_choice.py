@@ -8,21 +8,20 @@ from pathlib import Path
 
 import pytest
 from dist_utils import run_ranks
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_run import MODEL, cpu_trainer, datamodule, moc_config
 from trainee import Trainee
 
-from moc_lightning.callback import MoCCheckpoint
 from moc_lightning.config import ReplayConfig
-from lightning.pytorch.strategies import ModelParallelStrategy
-
-from moc_lightning.layout import UnitBytes, build_layout
-from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay_memory import window_memory, window_sizes
+from moc_lightning.engine.layout import UnitBytes, build_layout
+from moc_lightning.engine.units import dense, expert
+from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import ExpertParallelTopology
+from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.models.sharded import SHARDED_DATA_PARALLEL
-from moc_lightning.replay import offset_bytes, window_schedule
-from moc_lightning.units import dense, expert
-from moc_lightning.window_choice import COPY_BUDGET, WindowProbe, choose_window, peak_copy_bytes
+from moc_lightning.replay.core import offset_bytes, window_schedule
+from moc_lightning.replay.memory import window_memory, window_sizes
+from moc_lightning.replay.window_choice import COPY_BUDGET, WindowProbe, choose_window, peak_copy_bytes
 
 UNITS = [dense("embed"), dense("blocks.0.attn"), dense("blocks.1.attn"), dense("head")]
 UNITS += [expert(layer, e) for layer in (0, 1) for e in range(4)]
@@ -94,7 +93,7 @@ def test_when_nothing_fits_auto_takes_the_least_copy_and_says_so() -> None:
 
 
 def test_the_choice_sizes_a_window_as_the_memory_report_and_the_captures_do() -> None:
-    """One sizing for all three (:func:`~moc_lightning.replay_memory.window_sizes`): before the optimizer's first
+    """One sizing for all three (:func:`~moc_lightning.replay.memory.window_sizes`): before the optimizer's first
     step too, when a unit's optimizer state is still to come."""
     trainee = Trainee(ExpertParallelTopology.replicated())
     layout = build_layout(trainee.model, trainee.optimizer)

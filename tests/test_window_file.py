@@ -1,4 +1,4 @@
-"""A window slot's file between windows (:class:`~moc_lightning.window_file.WindowSlot`): a new window gives the file
+"""A window slot's file between windows (:class:`~moc_lightning.replay.window_file.WindowSlot`): a new window gives the file
 back only the pages the last seal cut off, and regions that overrun the reservation a little map the file once more,
 not once per region. Both costs fall on the training thread, in the first capture of a window."""
 
@@ -10,8 +10,8 @@ from unittest import mock
 
 import torch
 
-from moc_lightning import snapshot
-from moc_lightning.window_file import OVERRUN, WindowSlot, read_file
+from moc_lightning.memory import snapshot
+from moc_lightning.replay.window_file import OVERRUN, WindowSlot, read_file
 
 
 def _filled(slot: WindowSlot, sizes: list[int], first: int = 0) -> dict[tuple[int, str], torch.Tensor]:
@@ -51,7 +51,7 @@ def test_regions_that_overrun_the_reservation_remap_the_file_once(tmp_path: Path
     reserved = 4 << 20
     slot.reserve(reserved)
     assert os.path.getsize(slot.path) == reserved + int(reserved * OVERRUN)
-    with mock.patch("moc_lightning.window_file.map_file", wraps=snapshot.map_file) as map_file:
+    with mock.patch("moc_lightning.replay.window_file.map_file", wraps=snapshot.map_file) as map_file:
         views = _filled(slot, [(reserved // 4) - 256] + [1000] * 8)  # the first fills it; 8 regions overrun by 0.8%
         assert map_file.call_count == 0, "within the reservation's margin"
         views |= _filled(slot, [1000] * 12, first=len(views))  # 1.15% more: past the margin

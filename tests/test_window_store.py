@@ -1,4 +1,4 @@
-"""The ranks' agreement on a replay window to resume from (:mod:`moc_lightning.window_store`): as pure functions
+"""The ranks' agreement on a replay window to resume from (:mod:`moc_lightning.replay.window_store`): as pure functions
 the newest window every rank has, memory's copy on a tie, a re-store where only memory holds it, and why each rank
 keeps three storage objects (with two, a fast and a slow storage can leave no window in common); on real windows,
 that a resume deserializes one window only, and that a re-store failing on one rank fails on every rank."""
@@ -20,13 +20,11 @@ from dist_utils import run_ranks
 from lightning.pytorch.utilities.migration import pl_legacy_patch
 from storage_faults import FaultyStorage
 
-from moc_lightning.lineage import Lineage
-from moc_lightning.replay import WindowRecord
-from moc_lightning.replay_driver import WindowLog
-from moc_lightning.sealed import checksum
-from moc_lightning.storage import make_storage
-from moc_lightning.units import dense
-from moc_lightning.window_store import (
+from moc_lightning.engine.lineage import Lineage
+from moc_lightning.engine.units import dense
+from moc_lightning.replay.core import WindowRecord
+from moc_lightning.replay.driver import WindowLog
+from moc_lightning.replay.window_store import (
     STORAGE_COPIES,
     Candidate,
     WindowHead,
@@ -36,6 +34,8 @@ from moc_lightning.window_store import (
     pick,
     window_object,
 )
+from moc_lightning.storage import make_storage
+from moc_lightning.storage.sealed import checksum
 
 W = 3
 

@@ -12,12 +12,12 @@ from dist_utils import run_ranks
 from torch import nn
 from trainee import every_step_config
 
-from moc_lightning.checkpointer import PECCheckpointer
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.units import parse_unit
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.sharding.zero import MASTER_DTYPE, ZeroAdamW, partition_by_units
 from moc_lightning.storage import make_storage
-from moc_lightning.units import parse_unit
-from moc_lightning.zero import MASTER_DTYPE, ZeroAdamW, partition_by_units
 
 # Capacity large enough that no token is dropped, so EP and non-EP routing agree exactly.
 CFG = GPTMoEConfig(block_size=16, n_layer=2, n_embd=32, n_head=2, num_experts=4, top_k=2, capacity_factor=8.0)

@@ -10,15 +10,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from moc_lightning.checkpointer import PECCheckpointer
 from moc_lightning.config import CheckpointConfig, StorageConfig
-from moc_lightning.layout import build_layout
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.engine.pieces import piece
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.models.sharded import data_parallel_meshes, shard_gpt_moe
-from moc_lightning.pieces import piece
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.sharding.zero import ZeroAdamW, partition_by_units
 from moc_lightning.storage import make_storage
-from moc_lightning.zero import ZeroAdamW, partition_by_units
-
 
 TINY = GPTMoEConfig()  # conf/model/tiny.yaml: 4 blocks, 2 MoE layers, N=8, top-2
 BATCH = 8

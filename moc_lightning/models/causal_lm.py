@@ -17,13 +17,13 @@ import lightning as L
 import torch
 from torch import nn
 
-from moc_lightning.layout import build_layout
-from moc_lightning.models.parallel import ExpertParallelTopology
-from moc_lightning.zero import ZeroAdamW, partition_by_units
+from moc_lightning.engine.layout import build_layout
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
+from moc_lightning.sharding.zero import ZeroAdamW, partition_by_units
 
 DATA_PARALLEL = ("ddp", "zero2", "fsdp2", "hsdp")
 """``trainer.data_parallel``: ``ddp`` (optimizer state replicated on every holder of a parameter), ``zero2``
-(each parameter's optimizer state, fp32 master weights included, on one of its holders; :mod:`moc_lightning.zero`),
+(each parameter's optimizer state, fp32 master weights included, on one of its holders; :mod:`moc_lightning.sharding.zero`),
 ``fsdp2`` (parameters, gradients and optimizer state sharded over the data-parallel ranks with FSDP2's
 ``fully_shard``) or ``hsdp`` (sharded within groups of ranks, replicated across them); the last two for the
 reference model (:mod:`moc_lightning.models.sharded`)."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moc_lightning.models.moe import MoELayer
-from moc_lightning.models.parallel import ExpertParallelTopology
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
 
 
 @dataclass

@@ -19,13 +19,13 @@ from torch.nn.parallel import DistributedDataParallel
 from moc_lightning.models.causal_lm import DATA_PARALLEL, Batch, CausalLMModule, OptimConfig
 from moc_lightning.models.gpt_moe import GPTMoE, GPTMoEConfig
 from moc_lightning.models.moe import MoELayer
-from moc_lightning.models.parallel import ExpertParallelTopology
 from moc_lightning.models.sharded import (
     SHARDED_DATA_PARALLEL,
     data_parallel_meshes,
     mixed_precision_policy,
     shard_gpt_moe,
 )
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
 
 
 class GPTMoEModule(CausalLMModule):
@@ -84,7 +84,7 @@ class GPTMoEModule(CausalLMModule):
         if self.device_mesh is None:
             raise ValueError(
                 f"trainer.data_parallel={self.data_parallel} trains under Lightning's ModelParallelStrategy "
-                "(moc_lightning.training.build_trainer chooses it); this Trainer has another strategy"
+                "(moc_lightning.jobs.training.build_trainer chooses it); this Trainer has another strategy"
             )
         shard_size = topology.world_size
         if self.data_parallel == "hsdp":

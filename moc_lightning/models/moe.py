@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moc_lightning.models.parallel import ExpertParallelTopology, all_to_all
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology, all_to_all
 
 
 class ExpertMLP(nn.Module):

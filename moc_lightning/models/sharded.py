@@ -8,7 +8,7 @@ all-reduce across groups), as DDP would.
 Experts keep expert parallelism as it is (our ``all_to_all`` inside EP groups of consecutive ranks). As torchtitan
 does for FSDP2 + EP (``parallelize`` of its MoE models: the experts ``fully_shard``-ed on the ``dp_mod_ep`` mesh),
 each MoE layer's experts are sharded over the *expert-data-parallel* ranks, the ranks holding the same experts
-(the replicas of :mod:`moc_lightning.models.parallel`): under ``fsdp2`` all of them, under ``hsdp`` those of the same
+(the replicas of :mod:`moc_lightning.runtime.expert_parallel`): under ``fsdp2`` all of them, under ``hsdp`` those of the same
 shard group, replicated across groups. So expert weights and optimizer state are sharded too, not kept whole on
 every replica, and FSDP's reduce-scatter replaces :meth:`GPTMoE.reduce_expert_gradients`. An expert's gradient
 already sums the tokens of its whole EP group (the all-to-all backward brings them), so FSDP's default division by

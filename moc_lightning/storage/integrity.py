@@ -5,7 +5,7 @@ verify every item before handing its bytes to DCP's planner, and report any dama
 :class:`CorruptCheckpointError`, so the engine can tell "this stored version is unusable, fall back to an
 older one" from every other failure (a bug, a full disk), which must stay loud.
 
-Checksums are CRC32C (:func:`moc_lightning.sealed.checksum`), on every item and on DCP's ``.metadata``
+Checksums are CRC32C (:func:`moc_lightning.storage.sealed.checksum`), on every item and on DCP's ``.metadata``
 itself: a flipped byte there can leave a valid pickle that names another key (``expert/L1/E4`` read as
 ``dxpert/L1/E4``), which DCP would report as a missing key rather than damage. ``.metadata`` is the pickle
 followed by ``MOC-CRC32C`` and the pickle's CRC32C (4 bytes, big-endian); ``pickle.load`` stops at the
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from moc_lightning.sealed import checksum
+from moc_lightning.storage.sealed import checksum
 
 METADATA_NAME = ".metadata"
 """DCP's name for the object whose presence makes a location a finished checkpoint (both backends)."""

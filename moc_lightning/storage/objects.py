@@ -24,7 +24,7 @@ from typing import BinaryIO, TypeVar
 
 import tensorstore as ts
 
-from moc_lightning.sealed import checksum, checksum_view
+from moc_lightning.storage.sealed import checksum, checksum_view
 
 T = TypeVar("T")
 

@@ -1,0 +1,447 @@
+"""Ownership: which rank writes which row range of every unit a checkpoint saves.
+
+Every unit is replicated: a dense unit on all ranks, an expert on one rank per EP group. Left alone, each
+holder would write its replica; ownership picks exactly one writer for every byte and spreads the bytes so
+that the busiest rank, which sets how long a checkpoint takes, is as light as possible (MoC-System,
+section 4). It is a pure function of the units and the topology, so every rank computes the same answer
+with no communication, and it is cached because the sequential PEC selection repeats every ceil(N/K)
+checkpoints.
+
+Strategies (``STRATEGIES``):
+
+- ``equal``: each expert is split into equal row ranges over its replicas (section 4.1); dense units are
+  placed at layer granularity (section 4.2), oversized ones in row blocks (below), onto the ranks with the
+  fewest dense bytes, ignoring experts, so the dense pattern never depends on the selection.
+- ``adaptive``: experts as in ``equal``; dense units as in ``equal`` but onto the ranks with the fewest
+  bytes *including* the experts the selection put on them, filling the ranks PEC leaves light (4.3).
+- ``rank0``: the Megatron-DeepSpeed baseline (Figure 7a): every unit whole by its lowest-ranked holder, i.e.
+  rank 0 writes all dense units and EP group 0 writes all experts.
+- ``dcp_default``: what ``torch.distributed.checkpoint``'s deduplication (``dedup_save_plans``) does,
+  modelled with one write item per unit; see ``_dcp_default``.
+
+``equal_experts_ownership`` places the same way around bytes a rank writes besides the units (the ZeRO
+optimizer partitions of ``moc_lightning.sharding.paper_accounting``), at layer granularity or with pouring.
+
+Dense placement in ``equal`` and ``adaptive`` (``_place_dense``). The *dense share* is the bytes of all
+dense units being saved divided by the world size. A dense unit bigger than it is *oversized*: whole, it
+would make its writer the bottleneck, whatever else is placed (the 0.72 GB word embedding of GPT-350M-16E
+against a 0.45 GB share at DP=8, where K=16 gives every rank the same expert bytes). The share counts dense
+bytes, not the total: when experts are spread evenly, the room each rank has left for dense bytes is the
+dense share, so a unit under the total share but over the dense share still overloads its writer.
+
+Units that fit stay whole and are placed first, largest first, each onto its lightest holder (LPT greedy).
+Oversized units are then poured, largest first, into the gaps: consecutive row blocks onto the lightest
+holders, each block filling its rank up to the *ideal line* (the strategy's perfectly even load: the dense
+share for ``equal``, total bytes over ranks for ``adaptive``), rounded up to whole rows. So, for a unit
+held everywhere, no block is larger than that line (plus under one row); the blocks of one unit go to
+distinct ranks (the engine writes one row range per tensor per rank); and only as many ranks take a block
+as the gaps need. Equal-size blocks placed among the whole units level those gaps only by chance: for
+GPT-350M-16E at DP=EP=16, K=1, 4, 7, 8 or 16 equal blocks of the embedding leave the busiest rank at
+1.13, 1.09, 1.04 or 1.09x the ideal; pouring reaches 1.00x.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Literal
+
+UnitKind = Literal["expert", "dense"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The ranks that train together: EP groups are consecutive blocks of ``ep`` ranks."""
+
+    world_size: int
+    """Number of ranks (the data-parallel degree)."""
+    ep: int
+    """Expert-parallel degree: ranks per EP group. Must divide ``world_size``."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ep < 1 or self.world_size % self.ep != 0:
+            raise ValueError(
+                f"topology needs world_size >= 1 and an ep >= 1 that divides it; "
+                f"got world_size={self.world_size}, ep={self.ep}"
+            )
+
+    def ranks(self) -> range:
+        """Every rank: the holders of a dense unit."""
+        return range(self.world_size)
+
+    def replicas(self, ep_rank: int) -> range:
+        """The ranks at EP rank ``ep_rank`` in each EP group: the holders of the experts that EP rank holds."""
+        if not 0 <= ep_rank < self.ep:
+            raise ValueError(f"ep_rank={ep_rank} must lie in [0, ep={self.ep})")
+        return range(ep_rank, self.world_size, self.ep)
+
+
+@dataclass(frozen=True)
+class ShardingUnit:
+    """One unit to save, as ownership sees it: a key, a size in rows, and the ranks holding a replica.
+
+    A unit (weights and optimizer state) is viewed as ``rows`` rows of ``row_bytes`` bytes each, so that
+    it can be split into row ranges; ``holders`` is a sorted ``range`` or tuple of ranks (a ``range`` keeps
+    a dense unit on thousands of ranks cheap to store and to hash).
+    """
+
+    key: str
+    """Stable name of the unit, the same on every rank (e.g. ``expert/L3/E7`` or ``dense/blocks.0.attn``)."""
+    kind: UnitKind
+    rows: int
+    """Length of dim 0: the unit can be split into row ranges ``[start, stop)`` of ``[0, rows)``."""
+    row_bytes: int
+    """Bytes per row, weights and optimizer state together."""
+    holders: tuple[int, ...] | range
+    """Ranks holding a replica, ascending."""
+    layer: int | None = None
+    """MoE-layer index, for experts only."""
+    expert: int | None = None
+    """Global expert id within its layer, for experts only."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("expert", "dense"):
+            raise ValueError(f"unit {self.key!r}: kind={self.kind!r} must be 'expert' or 'dense'")
+        is_expert = self.kind == "expert"
+        if (self.layer is not None, self.expert is not None) != (is_expert, is_expert):
+            raise ValueError(f"unit {self.key!r}: layer and expert are required for experts and forbidden for dense")
+        if self.rows < 0 or self.row_bytes < 0:
+            raise ValueError(f"unit {self.key!r}: rows={self.rows} and row_bytes={self.row_bytes} must be >= 0")
+        if len(self.holders) == 0:
+            raise ValueError(f"unit {self.key!r}: holders must name at least one rank")
+        ascending = self.holders.step > 0 if isinstance(self.holders, range) else all(
+            a < b for a, b in zip(self.holders, self.holders[1:])
+        )
+        if not ascending or self.holders[0] < 0:
+            raise ValueError(f"unit {self.key!r}: holders must be distinct ranks >= 0 in ascending order")
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole unit in bytes."""
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rows ``[row_start, row_stop)`` of one unit, written by ``rank``."""
+
+    rank: int
+    row_start: int
+    row_stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who writes what: for every unit, shards that cover its rows exactly once, each by one of its holders."""
+
+    strategy: str
+    topology: Topology
+    units: tuple[ShardingUnit, ...]
+    shards: tuple[tuple[Shard, ...], ...]
+    """``shards[i]`` partitions ``[0, units[i].rows)``; an empty unit has one empty shard, so it has a writer."""
+    rank_bytes: tuple[int, ...]
+    """Bytes each rank writes."""
+
+    def shards_of(self, key: str) -> tuple[Shard, ...]:
+        """The shards of the unit named ``key``."""
+        try:
+            return self.shards[self._index_of_key[key]]
+        except KeyError:
+            raise KeyError(f"no unit with key {key!r} in this ownership") from None
+
+    def writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
+        """What ``rank`` writes: (unit, shard) pairs, in unit order."""
+        if not 0 <= rank < self.topology.world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world_size={self.topology.world_size})")
+        return tuple(self._writes_by_rank.get(rank, ()))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.rank_bytes)
+
+    @property
+    def busiest_bytes(self) -> int:
+        """Bytes of the bottleneck rank, which sets how long the checkpoint takes."""
+        return max(self.rank_bytes)
+
+    @property
+    def ideal_bytes(self) -> float:
+        """Bytes per rank if the total were spread perfectly evenly."""
+        return self.total_bytes / self.topology.world_size
+
+    @cached_property
+    def _index_of_key(self) -> dict[str, int]:
+        return {unit.key: i for i, unit in enumerate(self.units)}
+
+    @cached_property
+    def _writes_by_rank(self) -> dict[int, list[tuple[ShardingUnit, Shard]]]:
+        by_rank: dict[int, list[tuple[ShardingUnit, Shard]]] = {}
+        for unit, shards in zip(self.units, self.shards):
+            for shard in shards:
+                by_rank.setdefault(shard.rank, []).append((unit, shard))
+        return by_rank
+
+
+Assignment = dict[int, tuple[Shard, ...]]
+"""Shards of some units, keyed by the unit's position in the input."""
+
+
+def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
+    return (Shard(rank, 0, unit.rows),)
+
+
+def split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
+    """Equal row ranges, one per holder (fewer when there are fewer rows than holders): the equal expert split,
+    and how ZeRO partitions a unit's optimizer state over its replica group."""
+    pieces = max(1, min(len(unit.holders), unit.rows))
+    bounds = [piece * unit.rows // pieces for piece in range(pieces + 1)]
+    return tuple(Shard(unit.holders[piece], bounds[piece], bounds[piece + 1]) for piece in range(pieces))
+
+
+def _split_experts(units: Sequence[ShardingUnit]) -> Assignment:
+    return {i: split_over_holders(unit) for i, unit in enumerate(units) if unit.kind == "expert"}
+
+
+def _rank_bytes(units: Sequence[ShardingUnit], assignment: Assignment, world_size: int) -> list[int]:
+    loads = [0] * world_size
+    for i, shards in assignment.items():
+        for shard in shards:
+            loads[shard.rank] += shard.rows * units[i].row_bytes
+    return loads
+
+
+def _is_oversized(unit: ShardingUnit, dense_bytes: int, world_size: int) -> bool:
+    """Bigger than the dense share ``dense_bytes / world_size``, compared exactly in integers."""
+    return unit.nbytes * world_size > dense_bytes
+
+
+def _pop_lightest_holder(heap: list[tuple[int, int]], holders: range | tuple[int, ...]) -> tuple[int, int]:
+    """Pop the (bytes, rank) entry of the holder with the fewest bytes; other ranks go back on the heap.
+
+    With dense units held everywhere nothing is set aside, so this costs O(log ranks).
+    """
+    skipped: list[tuple[int, int]] = []
+    entry = heapq.heappop(heap)
+    while entry[1] not in holders:
+        skipped.append(entry)
+        entry = heapq.heappop(heap)
+    for other in skipped:
+        heapq.heappush(heap, other)
+    return entry
+
+
+def _place_whole(unit: ShardingUnit, heap: list[tuple[int, int]]) -> tuple[Shard, ...]:
+    """The whole unit onto its holder with the fewest bytes so far."""
+    load, rank = _pop_lightest_holder(heap, unit.holders)
+    heapq.heappush(heap, (load + unit.nbytes, rank))
+    return _whole(unit, rank)
+
+
+def _pour(unit: ShardingUnit, heap: list[tuple[int, int]], line: int, world_size: int) -> tuple[Shard, ...]:
+    """Consecutive row blocks of an oversized unit onto its lightest holders, each filled up to the ideal line.
+
+    ``line`` is ``world_size`` times the ideal line, so rooms are exact integers. A room is rounded up to
+    whole rows, so a block lifts its rank at most one row above the line. Each block goes to a different
+    rank (its entry stays off the heap until the unit is done); the last holder, or a lightest holder
+    already on the line (possible only when the unit is not held everywhere), takes all remaining rows.
+    """
+    shards: list[Shard] = []
+    filled: list[tuple[int, int]] = []
+    start = 0
+    while start < unit.rows:
+        load, rank = _pop_lightest_holder(heap, unit.holders)
+        room = -(-(line - world_size * load) // (world_size * unit.row_bytes))
+        last = room <= 0 or len(shards) == len(unit.holders) - 1
+        stop = unit.rows if last else min(unit.rows, start + room)
+        shards.append(Shard(rank, start, stop))
+        filled.append((load + (stop - start) * unit.row_bytes, rank))
+        start = stop
+    for entry in filled:
+        heapq.heappush(heap, entry)
+    return tuple(shards)
+
+
+def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int], pour: bool = True) -> Assignment:
+    """Dense units onto the ranks with the fewest bytes, starting from ``loads``; oversized ones poured last.
+
+    Whole units go first, largest first, each onto its lightest holder (LPT greedy); then each oversized
+    unit, largest first, is poured into the gaps they leave below the ideal line, ``(sum(loads) + dense
+    bytes) / world_size``: divisible bytes placed after indivisible ones can level what whole units cannot.
+    With ``pour=False`` nothing counts as oversized: every unit stays whole (the paper's layer granularity).
+    Ties go to the earlier unit and the lower rank, so every rank computes the same placement.
+    """
+    world_size = len(loads)
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
+    dense = [i for i, unit in enumerate(units) if unit.kind == "dense"]
+    dense_bytes = sum(units[i].nbytes for i in dense)
+    oversized = {i for i in dense if pour and _is_oversized(units[i], dense_bytes, world_size)}
+    line = sum(loads) + dense_bytes
+    assignment: Assignment = {}
+    for i in sorted(dense, key=lambda i: (i in oversized, -units[i].nbytes)):
+        if i in oversized:
+            assignment[i] = _pour(units[i], heap, line, world_size)
+        else:
+            assignment[i] = _place_whole(units[i], heap)
+    return assignment
+
+
+def _equal_experts(
+    units: Sequence[ShardingUnit], world_size: int, base_loads: Sequence[int] | None, pour: bool
+) -> Assignment:
+    """Experts split over their holders; dense units placed ignoring the rest (``base_loads=None``), or onto
+    the ranks with the fewest bytes counting ``base_loads`` and the expert shards."""
+    experts = _split_experts(units)
+    if base_loads is None:
+        return {**experts, **_place_dense(units, [0] * world_size, pour)}
+    expert_loads = _rank_bytes(units, experts, world_size)
+    loads = [base + load for base, load in zip(base_loads, expert_loads, strict=True)]
+    return {**experts, **_place_dense(units, loads, pour)}
+
+
+def _equal(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """Dense placement from zero loads: fixed once for the dense units, whatever the selection (section 4.2)."""
+    return _equal_experts(units, world_size, None, pour=True)
+
+
+def _adaptive(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """Dense placement from the expert loads this selection leaves (section 4.3)."""
+    return _equal_experts(units, world_size, [0] * world_size, pour=True)
+
+
+def _rank0(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """Lowest holder writes: rank 0 for dense units, the EP-group-0 replica for experts (Figure 7a)."""
+    return {i: _whole(unit, unit.holders[0]) for i, unit in enumerate(units)}
+
+
+def _dcp_default(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
+    """``dedup_save_plans`` of torch 2.13, with each unit as one write item held by its holders.
+
+    DCP visits write items in first-seen order over the ranks' plans (rank 0's items, then rank 1's new
+    ones, ...); with every rank listing its units in input order, that is the input stably sorted by lowest
+    holder. Each item goes whole to the holder with the smallest planned size so far, ties resolved in the
+    iteration order of a Python ``set`` of the holders filled in ascending order, exactly as DCP builds it;
+    an empty item counts as 1 byte, as in DCP. Approximation: real DCP sees one item per tensor (each
+    parameter and each optimizer-state tensor), so it balances at a finer grain than one item per unit.
+    """
+    plan_size = [0] * world_size
+    assignment: Assignment = {}
+    for i in sorted(range(len(units)), key=lambda i: units[i].holders[0]):
+        unit = units[i]
+        rank = min(set(unit.holders), key=plan_size.__getitem__)
+        plan_size[rank] += unit.nbytes or 1
+        assignment[i] = _whole(unit, rank)
+    return assignment
+
+
+_STRATEGIES: Mapping[str, Callable[[Sequence[ShardingUnit], int], Assignment]] = {
+    "equal": _equal,
+    "adaptive": _adaptive,
+    "rank0": _rank0,
+    "dcp_default": _dcp_default,
+}
+STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
+"""Names accepted by ``plan_ownership``."""
+
+
+def _check_inputs(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> None:
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    _check_units(units, topology)
+
+
+def _check_units(units: Sequence[ShardingUnit], topology: Topology) -> None:
+    seen: set[str] = set()
+    for unit in units:
+        if unit.key in seen:
+            raise ValueError(f"unit key {unit.key!r} appears twice; keys must be unique")
+        seen.add(unit.key)
+        if unit.holders[-1] >= topology.world_size:
+            raise ValueError(
+                f"unit {unit.key!r} names holder rank {unit.holders[-1]}, "
+                f"outside world_size={topology.world_size}"
+            )
+
+
+def _ownership(
+    strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment
+) -> Ownership:
+    return Ownership(
+        strategy=strategy,
+        topology=topology,
+        units=units,
+        shards=tuple(assignment[i] for i in range(len(units))),
+        rank_bytes=tuple(_rank_bytes(units, assignment, topology.world_size)),
+    )
+
+
+def compute_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> Ownership:
+    """Ownership of ``units`` under ``strategy`` (one of ``STRATEGIES``), computed afresh.
+
+    Cost is linear in the number of (unit, replica) pairs; prefer the cached ``plan_ownership``.
+    """
+    units = tuple(units)
+    _check_inputs(units, topology, strategy)
+    return _ownership(strategy, topology, units, _STRATEGIES[strategy](units, topology.world_size))
+
+
+def equal_experts_ownership(
+    units: Sequence[ShardingUnit],
+    topology: Topology,
+    *,
+    label: str,
+    base_loads: Sequence[int] | None,
+    pour: bool,
+) -> Ownership:
+    """Experts split equally over their holders (EE), dense units placed as the paper's EN or AN.
+
+    For state that other bytes share the ranks with, such as ZeRO optimizer partitions each rank writes
+    itself (``moc_lightning.sharding.paper_accounting``). ``base_loads=None``: dense units placed ignoring everything
+    else (EN, section 4.2). Else dense units go onto the ranks with the fewest bytes counting ``base_loads``
+    (bytes each rank writes besides ``units``) and the expert shards (AN, section 4.3). ``pour=False`` keeps
+    every dense unit whole (the paper's layer granularity); ``pour=True`` pours oversized ones in row blocks,
+    as ``equal`` and ``adaptive`` do. ``rank_bytes`` of the result counts ``units`` only; ``label`` names it.
+    """
+    units = tuple(units)
+    _check_units(units, topology)
+    if base_loads is not None and (
+        len(base_loads) != topology.world_size or any(load < 0 for load in base_loads)
+    ):
+        raise ValueError(
+            f"base_loads must give bytes >= 0 for each of world_size={topology.world_size} ranks; "
+            f"got {len(base_loads)} values, smallest {min(base_loads, default=None)}"
+        )
+    return _ownership(label, topology, units, _equal_experts(units, topology.world_size, base_loads, pour))
+
+
+_cached_ownership = lru_cache(maxsize=32)(compute_ownership)
+"""32 entries hold a full rotation of both levels' selections (ceil(N/K) each) for N <= 16 experts."""
+
+
+@lru_cache(maxsize=32)
+def _adaptive_around(units: tuple[ShardingUnit, ...], topology: Topology, base_loads: tuple[int, ...]) -> Ownership:
+    return equal_experts_ownership(units, topology, label="adaptive", base_loads=base_loads, pour=True)
+
+
+def plan_ownership(
+    units: Sequence[ShardingUnit],
+    topology: Topology,
+    strategy: str = "adaptive",
+    base_loads: Sequence[int] | None = None,
+) -> Ownership:
+    """Ownership of ``units`` under ``strategy``, reused while the same units and topology come back.
+
+    ``base_loads``: bytes each rank writes besides ``units`` (under ZeRO, the optimizer partitions each owner
+    writes itself). ``adaptive`` places the dense units onto the ranks with the fewest bytes counting them, as
+    it counts the experts the selection put on a rank; the other strategies place as they always do.
+    ``rank_bytes`` of the result counts ``units`` only.
+    """
+    if base_loads is not None and strategy == "adaptive":
+        return _adaptive_around(tuple(units), topology, tuple(base_loads))
+    return _cached_ownership(tuple(units), topology, strategy)

@@ -1,0 +1,166 @@
+"""DCP planners that write each replicated byte once, on the rank the ownership chose.
+
+``MoCSavePlanner`` extends DCP's ``DefaultSavePlanner`` at its narrowest hooks: the local plan lists only
+the row ranges this rank owns (a plain replicated tensor can be split across ranks: each rank writes a
+chunk ``[start, stop)`` along dim 0, and DCP's metadata records the chunks like those of a sharded
+tensor), deduplication is skipped because ownership already made writes disjoint, and ``resolve_data``
+hands the storage writer the owned rows only. The result is a plain DCP checkpoint: ``dcp.load`` with
+DCP's ``DefaultLoadPlanner`` reads it back under any world size, which is what resharding needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from moc_lightning.engine.pieces import piece
+from moc_lightning.sharding.ownership import Shard
+
+RowRange = tuple[int, int]
+"""Rows ``[start, stop)`` along dim 0 of a tensor."""
+
+
+def tensor_row_range(unit_start: int, unit_stop: int, unit_rows: int, tensor_rows: int) -> RowRange:
+    """The rows of one tensor of a unit that a unit shard ``[unit_start, unit_stop)`` of ``unit_rows`` covers.
+
+    A unit holds tensors of different lengths (weight, bias, optimizer state); mapping the shard
+    proportionally keeps each tensor's pieces disjoint and covering, since adjacent shards share bounds.
+    """
+    return unit_start * tensor_rows // unit_rows, unit_stop * tensor_rows // unit_rows
+
+
+def shard_rows(shard: Shard, unit_rows: int, tensor: torch.Tensor) -> RowRange | None:
+    """The rows of ``tensor`` (one of a unit of ``unit_rows`` rows) that ``shard`` covers; a 0-d tensor (Adam's
+    ``step``) goes whole with the unit's first shard, ``None`` with the others."""
+    if tensor.dim() == 0:
+        return (0, 1) if shard.row_start == 0 else None
+    return tensor_row_range(shard.row_start, shard.row_stop, unit_rows, tensor.shape[0])
+
+
+def whole_rows(tensor: torch.Tensor) -> RowRange:
+    """Every row of ``tensor`` (a scalar's one)."""
+    return (0, 1) if tensor.dim() == 0 else (0, tensor.shape[0])
+
+
+def _row_write_item(key: str, tensor: torch.Tensor, rows: RowRange) -> WriteItem:
+    """A write of rows ``[start, stop)``; a partial one is a ``SHARD`` so several ranks may write one key."""
+    start, stop = rows
+    if tensor.dim() == 0:  # DCP's convention for scalars: an empty chunk box
+        offsets, sizes, whole = torch.Size([]), torch.Size([]), True
+    else:
+        offsets = torch.Size([start] + [0] * (tensor.dim() - 1))
+        sizes = torch.Size([stop - start, *tensor.shape[1:]])
+        whole = (start, stop) == (0, tensor.shape[0])
+    return WriteItem(
+        index=MetadataIndex(key, offsets),
+        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties.create_from_tensor(tensor),
+            size=tensor.size(),
+        ),
+    )
+
+
+class MoCSavePlanner(DefaultSavePlanner):
+    """Writes exactly the rows ``writes`` assigns to this rank.
+
+    ``writes`` maps a tensor's key to the rows this rank writes; a key absent from it is written by
+    another rank. A 0-dim tensor is written whole by the rank whose range for it is ``(0, 1)``. A non-tensor
+    value is written by this rank if ``writes`` lists it (a rank's own state, under a key only it uses), else
+    by the coordinator. A DTensor listed in ``writes`` is written as DCP writes it, this rank's local piece at its
+    offsets, or only the rows ``writes`` gives of that piece (HSDP: its replicas split it). ``writes=None`` keeps
+    DCP's own behaviour (every rank proposes its whole tensors, DCP deduplicates): the ``dcp_default`` baseline.
+    """
+
+    def __init__(self, writes: Mapping[str, RowRange] | None) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.writes = writes
+        self._piece_starts: dict[str, int] = {}
+        """Key of a DTensor written in part -> the row of the whole tensor where this rank's piece starts."""
+
+    def create_local_plan(self) -> SavePlan:
+        if self.writes is None:
+            return super().create_local_plan()
+        items = []
+        for key, value in self.state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                if key in self.writes or self.is_coordinator:
+                    items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                continue
+            rows = self.writes.get(key)
+            if rows is None:
+                continue
+            if isinstance(value, DTensor):
+                if piece(value).numel() > 0:
+                    items.extend(self._piece_write_items(key, value, rows))
+                continue
+            if value.dim() == 0:
+                if rows == (0, 1):
+                    items.append(_row_write_item(key, value, (0, 1)))
+                continue
+            if rows[1] > rows[0]:
+                items.append(_row_write_item(key, value, rows))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def _piece_write_items(self, key: str, value: DTensor, rows: RowRange) -> list[WriteItem]:
+        """DCP's write of this rank's piece of ``value``, narrowed to ``rows`` of the piece (none if empty)."""
+        items = value.__create_write_items__(key, value)
+        local = piece(value)
+        if local.dim() == 0 or rows == whole_rows(local):
+            return items
+        if rows[1] <= rows[0]:
+            return []
+        (item,) = items  # one piece per rank: sharded along dim 0 only (pieces.check_supported)
+        chunk = item.tensor_data.chunk
+        self._piece_starts[key] = chunk.offsets[0]
+        offsets = torch.Size([chunk.offsets[0] + rows[0], *chunk.offsets[1:]])
+        sizes = torch.Size([rows[1] - rows[0], *chunk.sizes[1:]])
+        return [dataclasses.replace(
+            item,
+            index=MetadataIndex(key, offsets),
+            tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes)),
+        )]
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """Ownership made the writes disjoint already; DCP's dedup would only re-check whole-tensor keys."""
+        if self.writes is None:
+            return super()._dedup_save_plans(all_plans)
+        return all_plans
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The whole value by key (of a DTensor, this rank's piece): DCP's lookup refuses a plain tensor at a
+        non-zero offset."""
+        return piece(self.state_dict[index.fqn])
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        value = super().resolve_data(write_item)
+        if write_item.type != WriteItemType.SHARD:
+            return value
+        chunk = write_item.tensor_data.chunk
+        if chunk.sizes[0] == value.shape[0]:
+            return value
+        start = chunk.offsets[0] - self._piece_starts.get(write_item.index.fqn, 0)
+        return value.narrow(0, start, chunk.sizes[0])
+
+
+def owned_bytes(plan: SavePlan) -> int:
+    """Tensor bytes a local plan writes (what the ownership promised this rank)."""
+    total = 0
+    for item in plan.items:
+        if item.type != WriteItemType.BYTE_IO:
+            data = item.tensor_data
+            numel = 1
+            for size in data.chunk.sizes:
+                numel *= size
+            total += numel * torch.empty((), dtype=data.properties.dtype).element_size()
+    return total
+
