@@ -255,7 +255,7 @@ class MoCCheckpoint(Checkpoint):
         ensure_lineage(engine, "checkpoint.resume=never" if self.config.resume == "never"
                        else "fit was not given ckpt_path=moc.resume_target()")
         self._last_step = trainer.global_step
-        engine.completeness.check("training")
+        engine.completeness.check("training", would="train from")
         if self._rng_to_restore is not None:
             _set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
@@ -391,7 +391,7 @@ class MoCCheckpoint(Checkpoint):
     def _check_restored(self, what: str) -> None:
         """An evaluation of a model whose restore failed half-way (a fit that raised inside it) is refused."""
         if self.engine is not None:
-            self.engine.completeness.check(what)
+            self.engine.completeness.check(what, would="evaluate")
 
     def _final(self, trainer: L.Trainer) -> bool:
         """Whether this is the last step of ``max_steps``, which ``on_fit_end`` persists whole."""
