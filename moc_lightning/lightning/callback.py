@@ -257,6 +257,8 @@ class MoCCheckpoint(Checkpoint):
         self._last_step = trainer.global_step
         engine.completeness.check("training", would="train from")
         if self._rng_to_restore is not None:
+            # Lightning's private helper, the inverse of the _collect_rng_states trainer_state captures with: the
+            # same format (CUDA, NumPy, Python streams) without a copy of its code here.
             _set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
         if not self._warned_not_resumable:
