@@ -350,9 +350,9 @@ class MoCCheckpoint(Checkpoint):
         return self.engine
 
     def _attached(self) -> tuple[L.Trainer, L.LightningModule]:
-        """The Trainer and module of the latest ``setup``, which every restore follows."""
+        """The Trainer and module of the latest ``setup``, which every restore and engine build follows."""
         if self._trainer is None or self._module is None:
-            raise RuntimeError("MoCCheckpoint restores only within a Trainer's fit, validate, test or predict")
+            raise RuntimeError("MoCCheckpoint acts only once a Trainer has set it up (fit, validate, test or predict)")
         return self._trainer, self._module
 
     def _default_url(self, default_root_dir: str | Path | None) -> None:
