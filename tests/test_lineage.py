@@ -22,7 +22,7 @@ from moc_lightning.config import CheckpointConfig
 from moc_lightning.engine.layout import build_layout
 from moc_lightning.engine.lineage import Lineage, Segment, fingerprint
 from moc_lightning.engine.manifest import Manifest
-from moc_lightning.lightning.callback import check_shm_root
+from moc_lightning.lightning.shared_memory import check_shm_root
 from moc_lightning.lightning.start import SET_ASIDE
 from moc_lightning.memory.snapshot import NUM_SLOTS
 from moc_lightning.models import ExpertParallelTopology

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig
-from moc_lightning.lightning import callback
+from moc_lightning.lightning import replay_wiring
 from moc_lightning.replay import driver as replay_driver
 from moc_lightning.replay.window_store import window_object
 from moc_lightning.runtime.background import spare_core
@@ -119,7 +119,7 @@ def test_a_capture_copied_behind_the_next_forward_is_waited_for_before_the_next_
         return copy(pairs)
 
     monkeypatch.setattr(replay_driver, "_timed_copy", late)
-    monkeypatch.setattr(callback, "spare_core", lambda: True)  # a core free for the copy thread, as on a GPU node
+    monkeypatch.setattr(replay_wiring, "spare_core", lambda: True)  # a core free for the copy thread, as on a GPU node
     final, moc = _crash_and_resume(tmp_path, "replay")
     assert moc.capture.behind
     waits = moc.capture.wait_seconds

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lightning_run import MODEL, fit, moc_config
 from storage_faults import FaultyStorage
 
-import moc_lightning.lightning.callback as callback_module
+import moc_lightning.lightning.engines as engines_module
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.engine.layout import build_layout
 from moc_lightning.memory.snapshot import NUM_SLOTS, SnapshotStore
@@ -31,7 +31,7 @@ def test_failed_persists_are_counted_and_training_reaches_max_steps(
     def failing_storage(backend: str, url: str) -> FaultyStorage:
         return FaultyStorage(make_storage(backend, url), fail_writes={1: code, 2: code})
 
-    monkeypatch.setattr(callback_module, "make_storage", failing_storage)
+    monkeypatch.setattr(engines_module, "make_storage", failing_storage)
     config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=1, k_snapshot=8, k_persist=8)
     moc = fit(tmp_path, config, 24, [])
     stats = moc.engine.stats
@@ -77,7 +77,7 @@ class SlowStorage(FaultyStorage):
 def test_slow_storage_skips_persists_and_keeps_memory_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(callback_module, "make_storage", lambda b, u: SlowStorage(make_storage(b, u)))
+    monkeypatch.setattr(engines_module, "make_storage", lambda b, u: SlowStorage(make_storage(b, u)))
     config = moc_config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=1)
     moc = fit(tmp_path, config, 30, [])
     stats = moc.engine.stats

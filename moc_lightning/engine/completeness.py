@@ -41,12 +41,13 @@ class RestoreGuard:
         """The live state is restored completely (or left as it was before :meth:`begin`)."""
         self.pending = None
 
-    def check(self, action: str) -> None:
-        """Raise :class:`IncompleteRestore` naming ``action`` while a restore is pending."""
+    def check(self, action: str, would: str = "commit") -> None:
+        """Raise :class:`IncompleteRestore` naming ``action`` while a restore is pending. ``would``: what ``action``
+        would do with the mixed state (``commit`` it, for a snapshot or persist; ``train from`` it; ``evaluate`` it)."""
         if self.pending is not None:
             raise IncompleteRestore(
                 f"{action} refused: the live training state is not restored completely ({self.pending} has not "
-                "finished), so it would commit a state no run had; nothing was written"
+                f"finished), so it would {would} a state no run had; nothing was written"
             )
 
 

@@ -31,9 +31,8 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
+from moc_lightning.lightning.wrapping import wrap_once
 from moc_lightning.sharding.zero import ZeroAdamW
-
-_WRAPPED = "_moc_wrapped"
 
 
 def allow_with_checkpointing_disabled(is_moc: Callable[[Callback], bool]) -> None:
@@ -53,7 +52,7 @@ def allow_with_checkpointing_disabled(is_moc: Callable[[Callback], bool]) -> Non
 
         return configure_checkpoint_callbacks
 
-    _wrap_once(_CallbackConnector, "_configure_checkpoint_callbacks", wrap)
+    wrap_once(_CallbackConnector, "_configure_checkpoint_callbacks", wrap)
 
 
 def resolve_last(last_of: Callable[[L.Trainer], str | None]) -> None:
@@ -76,17 +75,7 @@ def resolve_last(last_of: Callable[[L.Trainer], str | None]) -> None:
 
         return parse_ckpt_path
 
-    _wrap_once(_CheckpointConnector, "_parse_ckpt_path", wrap)
-
-
-def _wrap_once(owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace the method ``owner.name`` by ``wrap(method)``, unless it is missing or wrapped already."""
-    method = getattr(owner, name, None)
-    if method is None or getattr(method, _WRAPPED, False):
-        return
-    wrapped = wrap(method)
-    setattr(wrapped, _WRAPPED, True)
-    setattr(owner, name, wrapped)
+    wrap_once(_CheckpointConnector, "_parse_ckpt_path", wrap)
 
 
 def check_other_checkpoints(trainer: L.Trainer, moc: Checkpoint, ep: int, storage_root: Path | None) -> None:

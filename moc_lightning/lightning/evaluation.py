@@ -13,8 +13,15 @@ MoC monitors no metric, so it has no "best" checkpoint: :func:`no_best` is the e
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning as L
+
+from moc_lightning.config import CheckpointConfig
 from moc_lightning.engine.lineage import Lineage, fingerprint
+from moc_lightning.lightning.engines import model_layout, model_topology, new_pec
 from moc_lightning.lightning.start import agreed_manifest
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.pec.checkpointer import PECCheckpointer
 
 
@@ -57,3 +64,15 @@ def load_newest(pec: PECCheckpointer, fn: str) -> int:
     if report is None:
         raise ValueError(f"{fn}(ckpt_path={url!r}): no checkpoint under {url} is readable (the log says why)")
     return report.resume_step
+
+
+def newest_weights(
+    module: L.LightningModule, config: CheckpointConfig, preset: str, engine: TwoLevelCheckpointer | None, fn: str
+) -> dict[str, Any]:
+    """What ``fn`` (``validate``/``test``/``predict``) with the storage URL restores: the newest committed weights,
+    loaded by an engine of their own (:func:`load_newest`; ``engine``, the training one if there is one, lends only
+    its process group), so the training engine and the lineage stay as they are."""
+    topology = model_topology(module)
+    layout = model_layout(module, None, topology, config, preset)
+    step = load_newest(new_pec(config, module, layout, topology, engine), fn)
+    return {"pytorch-lightning_version": L.__version__, "global_step": step, "state_dict": module.state_dict()}

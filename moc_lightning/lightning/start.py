@@ -53,20 +53,18 @@ def begin_lineage(pec: PECCheckpointer, fingerprint: str, reason: str) -> Lineag
 def _set_aside(pec: PECCheckpointer, lineage: Lineage) -> Path | None:
     """Move everything at the storage root to ``previous_lineages/<run id>/``; ``None`` if it was empty."""
     root = local_path(pec.storage.url)
-    names = _root_entries(root) if root is not None else None
-    if names == []:
-        return None
-    try:
-        old = pec.read_manifest()
-    except ManifestError:
-        old = Manifest()
     if root is None:
+        old = _old_manifest(pec)
         if old.lineage is None and not old.records:
             return None
         raise ValueError(
             f"checkpoint.storage.url={pec.storage.url} holds lineage {old.lineage.run_id if old.lineage else '?'} "
             "and a non-local storage root cannot be moved aside; give a new checkpoint.storage.url or delete it"
         )
+    names = _root_entries(root)
+    if not names:
+        return None
+    old = _old_manifest(pec)
     label = old.lineage.run_id if old.lineage is not None else f"unnamed-{time.strftime('%Y%m%dT%H%M%S')}"
     target = root / SET_ASIDE / label
     if target.exists():
@@ -77,6 +75,14 @@ def _set_aside(pec: PECCheckpointer, lineage: Lineage) -> Path | None:
     fsync_dir(target)
     fsync_dir(root)
     return target
+
+
+def _old_manifest(pec: PECCheckpointer) -> Manifest:
+    """The manifest an earlier run left (empty where it is unreadable: its files are set aside all the same)."""
+    try:
+        return pec.read_manifest()
+    except ManifestError:
+        return Manifest()
 
 
 def _root_entries(root: Path) -> list[str]:
