@@ -108,9 +108,14 @@ class LMDataModule(L.LightningDataModule):
         self.train = TokenWindows(tokens[:split], self.block_size)
         self.val = TokenWindows(tokens[split:], self.block_size)
 
+    def _dataset(self, split: TokenWindows | None) -> TokenWindows:
+        if split is None:
+            raise RuntimeError("LMDataModule.setup() builds the datasets; call it before asking for a loader")
+        return split
+
     def train_dataloader(self) -> StatefulDataLoader:
         return StatefulDataLoader(
-            self.train,
+            self._dataset(self.train),
             batch_size=self.cfg.batch_size,
             shuffle=True,
             drop_last=True,
@@ -119,4 +124,4 @@ class LMDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val, batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers)
+        return DataLoader(self._dataset(self.val), batch_size=self.cfg.batch_size, num_workers=self.cfg.num_workers)

@@ -90,7 +90,7 @@ class StatefulDataLoader(DataLoader):
             return {"epoch": self._moc_next_epoch, "batches": 0, "seed": self._moc_seed}
         batches = self._moc_skipped + iterator._num_yielded
         try:
-            finished = batches >= len(super()._index_sampler)  # type: ignore[arg-type]
+            finished = batches >= len(super()._index_sampler)
         except TypeError:  # an iterable dataset has no length
             finished = False
         if finished:

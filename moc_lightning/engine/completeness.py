@@ -58,5 +58,5 @@ def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
         tensor = tensors[key].detach()
         crc = checksum(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}".encode(), crc)
         if tensor.numel():
-            crc = checksum_view(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+            crc = checksum_view(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
     return f"{crc:08x}"

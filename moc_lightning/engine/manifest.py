@@ -138,7 +138,7 @@ class Manifest:
             raise ValueError(f"checkpoint.retention must be >= 1, got {retention}")
         keep = {r.name for r in self.records[-retention:]}
         parts = {split_part_key(key) for r in self.records for key in r.part_keys()}
-        newest_of_some_part = {self.newest(unit, part=part).name for unit, part in parts}
+        newest_of_some_part = {r.name for unit, part in parts if (r := self.newest(unit, part=part)) is not None}
         kept = tuple(r for r in self.records if r.name in keep or r.name in newest_of_some_part)
         removed = [r.name for r in self.records if r not in kept]
         return replace(self, records=kept), removed

@@ -55,9 +55,10 @@ def replicas(tensor: DTensor) -> tuple[int, ...]:
     """The global ranks holding the same piece of ``tensor`` as this rank, ascending (this rank alone unless a mesh
     dimension replicates it): the mesh's ranks at this rank's coordinates on every sharded dimension."""
     mesh = tensor.device_mesh
-    at = tuple(
-        slice(None) if isinstance(p, Replicate) else c for p, c in zip(tensor.placements, mesh.get_coordinate())
-    )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"this rank holds no piece of a DTensor on {mesh}: it is not in the mesh")
+    at = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(tensor.placements, coordinate))
     return tuple(sorted(mesh.mesh[at].flatten().tolist()))
 
 

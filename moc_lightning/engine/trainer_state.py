@@ -48,9 +48,10 @@ def capture(trainer: L.Trainer, own_key: str) -> dict[str, Any]:
     if precision_state := precision.state_dict():
         checkpoint[precision.__class__.__qualname__] = precision_state
     precision.on_save_checkpoint(checkpoint)
-    if trainer.datamodule is not None:
+    datamodule = getattr(trainer, "datamodule", None)  # Lightning's data connector sets it; Trainer does not declare it
+    if datamodule is not None:
         if datamodule_state := call._call_lightning_datamodule_hook(trainer, "state_dict"):
-            checkpoint[trainer.datamodule.__class__.__qualname__] = datamodule_state
+            checkpoint[datamodule.__class__.__qualname__] = datamodule_state
     call._call_callbacks_on_save_checkpoint(trainer, checkpoint)
     call._call_lightning_module_hook(trainer, "on_save_checkpoint", checkpoint)
     for key in _NO_TENSORS:

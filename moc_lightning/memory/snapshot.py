@@ -388,7 +388,7 @@ def map_file(path: Path, nbytes: int) -> mmap.mmap:
         return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
-def view_of(mapping: mmap.mmap, entry: SlotEntry) -> torch.Tensor:
+def view_of(mapping: bytes | mmap.mmap, entry: SlotEntry) -> torch.Tensor:
     """The tensor ``entry`` describes, on a storage that is exactly its bytes of the slot's ``mapping``.
 
     Exactly: DCP clones a tensor whose storage is larger before writing it (``torch.save`` would write the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +139,7 @@ class GPTMoE(nn.Module):
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in order; their index in this list is the MoE-layer ordinal used by units."""
-        return [block.moe for block in self.blocks if block.ffn_name == "moe"]
+        return [cast(MoELayer, block.moe) for block in self.blocks if block.ffn_name == "moe"]
 
     def expert_parameter_names(self) -> list[str]:
         """Names of the parameters that belong to experts (reduced over expert replicas, not all ranks)."""

@@ -27,9 +27,11 @@ already meet bf16 weights, and the ops autocast keeps in fp32 (layer norm, softm
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from moc_lightning.models.gpt_moe import GPTMoE
 
@@ -94,12 +96,13 @@ def shard_gpt_moe(model: GPTMoE, dense: DeviceMesh, experts: DeviceMesh, policy:
     for layer in model.moe_layers():
         local_experts = list(layer.experts.values())  # one FSDP group per layer (a ModuleDict has no forward)
         fully_shard(local_experts, mesh=experts, mp_policy=policy)
-        local_experts[0].set_gradient_divide_factor(float(world_size))  # the group's, set through any member
+        group = cast(FSDPModule, local_experts[0])  # fully_shard made every member an FSDPModule
+        group.set_gradient_divide_factor(float(world_size))  # the group's, set through any member
         if experts.size(experts.ndim - 1) > 1:
             # A factor other than the shard group's size reduce-scatters with PREMUL_SUM, which gloo lacks; forced
             # sums divide afterwards instead. Not on a one-rank shard dimension: torch 2.13 skips the reduce-scatter
             # there, divides by the factor while copying, and with forced sums would divide a second time.
-            local_experts[0].set_force_sum_reduction_for_comms(True)
+            group.set_force_sum_reduction_for_comms(True)
     for block in model.blocks:
         fully_shard(block, mesh=dense, mp_policy=policy)
     fully_shard(model, mesh=dense, mp_policy=policy)

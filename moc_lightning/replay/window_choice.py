@@ -149,6 +149,7 @@ def choose_window(
             return candidate
         if least is None or candidate.copy_bytes < least.copy_bytes:
             least = candidate
+    assert least is not None, "range(1, len(sizes) + 1) is not empty: a layout has a unit"
     return least
 
 

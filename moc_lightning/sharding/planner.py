@@ -145,6 +145,7 @@ class MoCSavePlanner(DefaultSavePlanner):
         value = super().resolve_data(write_item)
         if write_item.type != WriteItemType.SHARD:
             return value
+        assert write_item.tensor_data is not None and isinstance(value, torch.Tensor), "a SHARD item is a tensor's"
         chunk = write_item.tensor_data.chunk
         if chunk.sizes[0] == value.shape[0]:
             return value
@@ -158,6 +159,7 @@ def owned_bytes(plan: SavePlan) -> int:
     for item in plan.items:
         if item.type != WriteItemType.BYTE_IO:
             data = item.tensor_data
+            assert data is not None, "every item but a BYTE_IO one describes a tensor"
             numel = 1
             for size in data.chunk.sizes:
                 numel *= size

@@ -123,6 +123,7 @@ class ListedKeysPlanner(DefaultLoadPlanner):
         self.checkpoint = checkpoint
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None, "DCP sets the planner up with the checkpoint's metadata before planning"
         stored = self.metadata.state_dict_metadata
         missing = sorted(key for key in self.state_dict if key not in stored)
         if missing:

@@ -145,9 +145,9 @@ def _check_resume(
     expected_by_step: dict[int, Mapping[str, str] | None] = {}
     keys = set(restored)
     for step in set(claims.values()):
-        expected_by_step[step] = _expected_state(recs, start["inc"], step)
-        if expected_by_step[step] is not None:
-            keys |= {k for k in expected_by_step[step] if claims.get((unit_of(k, prefixes), part_of(k))) == step}
+        expected = expected_by_step[step] = _expected_state(recs, start["inc"], step)
+        if expected is not None:
+            keys |= {k for k in expected if claims.get((unit_of(k, prefixes), part_of(k))) == step}
     wrong: dict[str, list[str]] = {}  # by source: a unit's, or each part's where the report gives parts
     for key in sorted(keys):
         unit = unit_of(key, prefixes)

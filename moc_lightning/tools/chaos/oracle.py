@@ -146,7 +146,7 @@ class AfterRestore(L.Callback):
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of one rank's file, in order; a torn last line (a kill mid-write) is skipped."""
-    records = []
+    records: list[dict[str, Any]] = []
     if not path.exists():
         return records
     for line in path.read_text().splitlines():
