@@ -1,0 +1,48 @@
+"""The documentation builds (issue 29): ``mkdocs build --strict`` over docs/ and the API reference from the docstrings,
+so a broken reference or a dead link fails CI; the README stays a front door whose links resolve."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+"""A Markdown link's target, without its anchor."""
+
+
+def dead_links(page: Path) -> list[str]:
+    """The relative link targets of a Markdown page that name no file."""
+    return [
+        target for target in LINK.findall(page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_site_and_the_api_reference_build_strictly(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    engine = (tmp_path / "site" / "api" / "engine" / "index.html").read_text()
+    assert "build_layout" in engine, "the API reference renders the subpackages' members"
+
+
+def test_the_readme_is_a_front_door_whose_links_resolve() -> None:
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 200, "the README is a front door: the rest belongs in docs/"
+    assert dead_links(readme) == []
+    assert "make train" in readme.read_text() and "make test" in readme.read_text()
+
+
+def test_a_dead_link_is_found(tmp_path: Path) -> None:
+    (tmp_path / "there.md").write_text("x")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md) [anchor](there.md#a) [web](https://example.org) [dead](gone.md)")
+    assert dead_links(page) == ["gone.md"]
