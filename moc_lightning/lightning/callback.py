@@ -67,7 +67,8 @@ from moc_lightning.lightning.evaluation import load_newest, no_best
 from moc_lightning.lightning.start import agreed_manifest, begin_lineage
 from moc_lightning.memory.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.memory.two_level import RecoveryReport, TwoLevelCheckpointer, lose_node, node_root
-from moc_lightning.pec.checkpointer import MANIFEST, PECCheckpointer
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.replay.driver import (
     ReplayReport,
     WindowCapture,
@@ -310,9 +311,9 @@ class MoCCheckpoint(Checkpoint):
         log = found.log if found is not None else None
         engine.store.clear()  # PEC's slots play no part in replay mode
         resumed = manifest.lineage.resumed_at(log.end_step if log is not None else 0)
-        engine.pec.commit_lineage(manifest.with_lineage(resumed))
+        engine.pec.persister.commit_lineage(manifest.with_lineage(resumed))
         engine.lineage = resumed
-        engine.pec.base_on(manifest)
+        engine.pec.selector.base_on(manifest)
         if log is None:  # a fresh start within the lineage, as a PEC recovery that finds nothing
             return self._fresh_checkpoint(module, "no replay window of this run that every rank completed")
         self._to_replay = found

@@ -59,7 +59,10 @@ from moc_lightning.engine.parts import PARTS, always_saved, part_key, part_key_o
 from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.recovery import RecoveryPlan, SlotInventory, Source, piece_donors, plan_recovery
 from moc_lightning.memory.snapshot import NUM_SLOTS, Fill, SlotEntry, SlotMeta, SnapshotStore
-from moc_lightning.pec.checkpointer import PECCheckpointer, PersistFailed, SaveReport, UnreadableCheckpoint
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.outcomes import PersistFailed
+from moc_lightning.pec.persist import SaveReport
+from moc_lightning.pec.stored import UnreadableCheckpoint
 from moc_lightning.runtime.agreement import from_coordinator, gather
 from moc_lightning.runtime.background import background_executor, spare_core
 from moc_lightning.runtime.distributed import collective_device
@@ -100,7 +103,7 @@ class _PendingSnapshot:
     persist_units: tuple[Unit, ...] | None
     """What its persist writes whole; ``None``: it is not persisted."""
     persist_parts: tuple[str, ...]
-    """The part keys its persist writes besides (:meth:`PECCheckpointer.partial_parts`)."""
+    """The part keys its persist writes besides (:meth:`~moc_lightning.pec.write_plan.WritePlan.partial_parts`)."""
     taking_seconds: float
     """The training thread's time in :meth:`TwoLevelCheckpointer.snapshot`."""
     copy_seconds: float
@@ -230,17 +233,17 @@ class TwoLevelCheckpointer:
         pec = self.pec
         # every rank must agree to persist, or the persist's collectives would not match across ranks
         persisting = int(self._persist is not None and not self._persist.done())
-        (ranks_persisting,) = pec.mark_step(step, also_sum=[persisting])
+        (ranks_persisting,) = pec.tokens.mark_step(step, also_sum=[persisting])
         index = pec.snapshots_taken
         due = index % pec.cfg.persist_every_n_snapshots == 0 and may_persist
         persist = due and ranks_persisting == 0
         if due and not persist:
             self.stats.skipped_persists += 1
-        selection = pec.select(index, persist, self._agreed_persists() if pec.needs_stored_steps(persist) else None)
+        selection = pec.selector.select(index, persist, self._agreed_persists() if pec.selector.needs_stored_steps(persist) else None)
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
-        parts = pec.partial_parts(units)
-        if pec.piece_holders is not None:  # FSDP2/HSDP: every holder snapshots its own pieces
+        parts = pec.plan.partial_parts(units)
+        if pec.plan.piece_holders is not None:  # FSDP2/HSDP: every holder snapshots its own pieces
             owners = None
             mine = [u for u in units if u in pec.layout.slots]
             my_parts = tuple(p for p in parts if parse_unit(split_part_key(p)[0]) in pec.layout.slots)
@@ -248,11 +251,11 @@ class TwoLevelCheckpointer:
             owners = self._owners(units, parts)
             mine = [u for u in units if owners[u.key] == self.rank]
             my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == self.rank)
-        tensors = pec.layout.pieces(mine) | pec.part_tensors(my_parts, local=True)
+        tensors = pec.layout.pieces(mine) | pec.plan.part_tensors(my_parts, local=True)
         extra = {"engine": pec.state_dict(), "owners": owners, "lineage": self.lineage.stamp() if self.lineage else None}
         slot = self.store.choose_slot({s for s in (self._persisting_slot, self._recovery_slot) if s is not None})
         persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
-        persist_parts = pec.partial_parts(persist_units) if persist_units is not None else ()
+        persist_parts = pec.plan.partial_parts(persist_units) if persist_units is not None else ()
 
         def midway() -> None:
             self.faults.at("snapshot", step)
@@ -324,12 +327,12 @@ class TwoLevelCheckpointer:
     def _plan_owners(self, units: Sequence[Unit], parts: Sequence[str]) -> dict[str, int]:
         pec = self.pec
         sized = [(u, None) for u in units] + [(parse_unit(u), part) for u, part in map(split_part_key, parts)]
-        if pec.state_owners is not None:  # ZeRO: only the state owner holds the unit whole
-            return {u.key: pec.state_owners[u.key] for u, _ in sized}
+        if pec.plan.state_owners is not None:  # ZeRO: only the state owner holds the unit whole
+            return {u.key: pec.plan.state_owners[u.key] for u, _ in sized}
         world, ep = pec.topology.world_size, pec.topology.ep
         sharding_units = []
         for unit, part in sized:
-            nbytes = max(1, pec.unit_nbytes(unit, part))
+            nbytes = max(1, pec.plan.unit_nbytes(unit, part))
             if isinstance(unit, ExpertUnit):
                 per_rank = pec.layout.num_experts[unit.layer] // ep
                 replicas = range(unit.expert // per_rank, world, ep)
@@ -424,7 +427,7 @@ class TwoLevelCheckpointer:
                 print(f"[moc_lightning] the complete checkpoint of step {step} ({newest.name}) does not hold the live "
                       f"state ({'its digests differ' if newest.digests else 'it records no digest'}); persisting it "
                       "again from the live state")
-        pec.mark_step(step)
+        pec.tokens.mark_step(step)
         report = pec.persist(
             step, units, trainer_state=encode_state(trainer_state), supersede=supersede, digests=digests,
             before_commit=lambda: self.faults.at("final_persist", step),
@@ -471,14 +474,14 @@ class TwoLevelCheckpointer:
                 break
             except UnreadableCheckpoint as bad:
                 self.pec.layout.roll_back(baseline)
-                manifest = self.pec.forget(manifest, bad)
+                manifest = self.pec.persister.forget(manifest, bad)
         if report is None:
             self.store.clear()
         if lineage is not None:
             resumed = lineage.resumed_at(report.resume_step if report is not None else 0)
-            self.pec.commit_lineage(manifest.with_lineage(resumed))
+            self.pec.persister.commit_lineage(manifest.with_lineage(resumed))
             self.lineage = resumed
-        self.pec.base_on(manifest)
+        self.pec.selector.base_on(manifest)
         self.completeness.complete()  # restored, or (None) as before the call
         return report
 
@@ -487,7 +490,7 @@ class TwoLevelCheckpointer:
     ) -> RecoveryReport | None:
         pec = self.pec
         experts = [ExpertUnit(layer, e).key for layer, n in enumerate(pec.layout.num_experts) for e in range(n)]
-        plan = plan_recovery([u.key for u in pec.layout.dense_units], experts, inventory, manifest, pec.piece_holders)
+        plan = plan_recovery([u.key for u in pec.layout.dense_units], experts, inventory, manifest, pec.plan.piece_holders)
         if plan is None:
             return None
         by_slot = {m.slot: m for m in metas}
@@ -498,18 +501,18 @@ class TwoLevelCheckpointer:
             key: given
             for key, source in plan.sources.items()
             if source.pieces
-            and (given := piece_donors(key, source.step, inventory, pec.piece_holders[split_part_key(key)[0]]))
+            and (given := piece_donors(key, source.step, inventory, pec.plan.piece_holders[split_part_key(key)[0]]))
         }
         in_memory = self._memory_specs(plan, by_slot, donors)
         restored = [key for key, src in plan.sources.items() if src.level != "none"]
-        pec.prepare_for_load(restored, {**pec.stored_specs(stored), **in_memory})
+        pec.loader.prepare_for_load(restored, {**pec.loader.stored_specs(stored), **in_memory})
         stale = _stale_shared_state(pec.layout, restored, plan)
         self._restore_from_memory(plan, by_slot, in_memory, donors, stale)
         self.faults.at("recovery", plan.resume_step)
-        pec.load_from_storage(stored, stale)
+        pec.loader.load_from_storage(stored, stale)
         pec.layout.share_expert_entries(pec.process_group)
         steps = {key: src.step for key, src in plan.sources.items()}
-        load = pec.account_recovery(plan.resume_step, pec.stalest_parts(steps))
+        load = pec.loader.account_recovery(plan.resume_step, pec.loader.stalest_parts(steps))
         self._drop_slots_after(plan.resume_step, metas)
         return RecoveryReport(
             resume_step=plan.resume_step,
@@ -533,7 +536,7 @@ class TwoLevelCheckpointer:
         local = next((m for m in by_slot.values() if m.step == plan.resume_step), None)
         holder = _lowest_rank_with(local is not None)
         if holder is None:
-            described = self.pec.read_description(manifest.at_step(plan.resume_step))
+            described = self.pec.loader.read_description(manifest.at_step(plan.resume_step))
             engine, shared = described["engine"], described.get("trainer")
         else:
             payload = [local.extra if local is not None else None]
@@ -543,7 +546,7 @@ class TwoLevelCheckpointer:
         own = local.extra["trainer"] if local is not None else None
         persisted = next((r for r in manifest.records if r.step == plan.resume_step), None)
         if persisted is not None and _any_rank(own is None):
-            from_storage = self.pec.read_rank_state(persisted)  # collective
+            from_storage = self.pec.loader.read_rank_state(persisted)  # collective
             own = own if own is not None else from_storage
         if own is not None:
             return engine, _decode_optional(own), self.rank
