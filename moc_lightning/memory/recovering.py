@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moc_lightning.engine.layout import Layout
-from moc_lightning.engine.manifest import Manifest
+from moc_lightning.engine.manifest import CheckpointRecord, Manifest
 from moc_lightning.engine.parts import PARTS, always_saved, part_key, part_key_of, split_part_key
 from moc_lightning.engine.units import ExpertUnit, parse_unit
 from moc_lightning.memory.encoding import decode_state
@@ -130,7 +130,7 @@ class Recovery:
         by_slot = {m.slot: m for m in metas}
         engine_state, trainer_state, trainer_state_rank = self._states_at(plan, by_slot, manifest)
         pec.load_state_dict(engine_state)
-        stored = {key: manifest.by_name(src.checkpoint) for key, src in plan.sources.items() if src.level == "storage"}
+        stored = {key: _stored_in(manifest, src) for key, src in plan.sources.items() if src.level == "storage"}
         donors = {  # parts in pieces that a holder lost: part key -> {holder without it: the replica sending it}
             key: given
             for key, source in plan.sources.items()
@@ -178,7 +178,9 @@ class Recovery:
             payload = [local.extra if local is not None else None]
             if dist.is_initialized():
                 dist.broadcast_object_list(payload, src=holder)
-            engine, shared = payload[0]["engine"], payload[0]["trainer"]
+            held = payload[0]
+            assert held is not None, f"rank {holder} holds the resume step's slot"
+            engine, shared = held["engine"], held["trainer"]
         own = local.extra["trainer"] if local is not None else None
         persisted = next((r for r in manifest.records if r.step == plan.resume_step), None)
         if persisted is not None and _any_rank(own is None):
@@ -241,12 +243,18 @@ def _stale_shared_state(layout: Layout, restored: Sequence[str], plan: RecoveryP
     return set(shared) - {key for _, key in newest.values()}
 
 
+def _stored_in(manifest: Manifest, source: Source) -> CheckpointRecord:
+    """The committed checkpoint a storage ``source`` names (the plan names one for every such source)."""
+    assert source.checkpoint is not None, f"storage source {source} names no checkpoint"
+    return manifest.by_name(source.checkpoint)
+
+
 def _all_gather(items: list[SlotInventory]) -> list[SlotInventory]:
     if not dist.is_initialized():
         return items
     parts: list[list[SlotInventory] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, items)
-    return [item for part in parts for item in part]
+    return [item for part in parts if part is not None for item in part]
 
 
 def _lowest_rank_with(has: bool) -> int | None:

@@ -20,6 +20,10 @@ from moc_lightning.memory.recovery import RecoveryPlan, Source
 from moc_lightning.memory.snapshot import SlotEntry, SlotMeta, SnapshotStore
 from moc_lightning.runtime.distributed import collective_device
 
+_Described = tuple[dict[str, SlotEntry], dict[int, dict[str, SlotEntry]]]
+"""What one rank describes of the memory-sourced units: its own slots' entries, and per receiver the entries of the
+pieces it sends."""
+
 
 class MemoryRestore:
     """Copies memory-sourced units of a recovery plan into the live tensors (collective).
@@ -55,12 +59,13 @@ class MemoryRestore:
                     if donor == self._rank:
                         given.setdefault(receiver, {}).update(entries)
             elif source.level == "memory" and source.rank == self._rank:
-                meta = by_slot[source.slot]
+                meta = own_slot(by_slot, source)
                 mine.update({k: e for k, e in meta.entries.items() if part_key_of(k) == key})
-        parts = [(mine, given)]
+        parts: list[_Described] = [(mine, given)]
         if dist.is_initialized():
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, (mine, given))
+            gathered: list[_Described | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (mine, given))
+            parts = [part for part in gathered if part is not None]
         received = [part_given.get(self._rank, {}) for _, part_given in parts]
         described = [*(part for part, _ in parts), *received, own_pieces]
         return {k: (tuple(e.shape), e.torch_dtype) for part in described for k, e in part.items()}
@@ -100,7 +105,7 @@ class MemoryRestore:
                 continue
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self._rank:
-                tensors = self._store.read(by_slot[source.slot], keys)
+                tensors = self._store.read(own_slot(by_slot, source), keys)
                 pieces = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
                 flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
             else:
@@ -137,7 +142,7 @@ class MemoryRestore:
             dist.recv(flat, src=donors[self._rank])
             tensors = {k: t.cpu().view(specs[k][1]).view(specs[k][0]) for k, t in zip(keys, flat.split(sizes))}
         else:
-            tensors = self._store.read(slot_of_step(by_slot, step), keys)
+            tensors = self._store.read(slot_of_step(by_slot, step), list(keys))
             receivers = sorted(r for r, donor in donors.items() if donor == self._rank)
             if receivers:
                 flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]).to(collective_device())
@@ -149,3 +154,9 @@ class MemoryRestore:
 def slot_of_step(by_slot: Mapping[int, SlotMeta], step: int) -> SlotMeta:
     """This rank's slot of ``step`` (a plan sources a unit in pieces from a step only when every holder has one)."""
     return next(meta for meta in by_slot.values() if meta.step == step)
+
+
+def own_slot(by_slot: Mapping[int, SlotMeta], source: Source) -> SlotMeta:
+    """This rank's slot holding a whole unit's memory ``source`` (the plan names the slot of every such source)."""
+    assert source.slot is not None, f"memory source {source} names no slot"
+    return by_slot[source.slot]

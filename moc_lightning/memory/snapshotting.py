@@ -123,7 +123,7 @@ class SnapshotTaker:
         tensors = pec.layout.pieces(mine) | pec.plan.part_tensors(my_parts, local=True)
         extra = {"engine": pec.state_dict(), "owners": owners, "lineage": pec.lineage.stamp() if pec.lineage else None}
         slot = self._store.choose_slot(self._persists.slots_in_use())
-        persist_units = (*pec.layout.dense_units, *sorted(selection.persist_units())) if persist else None
+        persist_units = pec.layout.dense_units + tuple(sorted(selection.persist_units())) if persist else None
         persist_parts = pec.plan.partial_parts(persist_units) if persist_units is not None else ()
 
         def midway() -> None:

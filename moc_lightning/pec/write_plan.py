@@ -189,14 +189,14 @@ class WritePlan:
     def _sharding_unit(self, unit: Unit, part: str | None = None) -> ShardingUnit:
         rows = self._unit_rows[self.local_twin(unit)]
         nbytes = self.unit_nbytes(unit, part)
-        common = {"key": unit.key, "rows": rows, "row_bytes": max(1, math.ceil(nbytes / rows))}
+        row_bytes = max(1, math.ceil(nbytes / rows))
         if isinstance(unit, DenseUnit):
-            return ShardingUnit(kind="dense", holders=range(self.topology.world_size), **common)
+            return ShardingUnit(unit.key, "dense", rows, row_bytes, range(self.topology.world_size))
         assert isinstance(unit, ExpertUnit)
         per_rank = self.layout.num_experts[unit.layer] // self.topology.ep
         ep_rank = unit.expert // per_rank
         holders = range(ep_rank, self.topology.world_size, self.topology.ep)
-        return ShardingUnit(kind="expert", holders=holders, layer=unit.layer, expert=unit.expert, **common)
+        return ShardingUnit(unit.key, "expert", rows, row_bytes, holders, layer=unit.layer, expert=unit.expert)
 
 
 def model_units(layout: Layout) -> list[Unit]:
