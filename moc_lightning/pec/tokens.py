@@ -30,7 +30,7 @@ class TokenAccounting:
         """``rank``: this process's global rank (rank 0 says which K a restored state leaves in force)."""
         self.ledger = TokenLedger(num_experts)
         self.dynamic_k = DynamicK(cfg.k_snapshot, cfg.k_persist, min(num_experts), cfg.dynamic_k.plt_threshold)
-        self._dynamic_k_enabled = cfg.dynamic_k.enabled
+        self._cfg = cfg
         self._rank = rank
         self._pending = [torch.zeros(n, dtype=torch.int64) for n in num_experts]
         self._pending_assigned = [0] * len(num_experts)
@@ -80,7 +80,7 @@ class TokenAccounting:
         """PLT of the recovery to ``resume_step`` (eq. 7; ``restored_from``: per MoE layer, the step each expert
         came from), then Dynamic-K; returns the fault and whether K changed."""
         fault = self.ledger.recover(resume_step, restored_from)
-        k_changed = self._dynamic_k_enabled and self.dynamic_k.after_recovery(fault, self.ledger.accumulated_plt)
+        k_changed = self._cfg.dynamic_k.enabled and self.dynamic_k.after_recovery(fault, self.ledger.accumulated_plt)
         return fault, k_changed
 
     def state_dict(self) -> dict[str, Any]:
