@@ -187,4 +187,4 @@ def fail_first_commit(pec: PECCheckpointer) -> None:
             failed.append(point)
             raise OSError(f"injected at {point}")
 
-    pec.fault_hook = hook
+    pec.persister.committer.fault_hook = hook

@@ -135,8 +135,8 @@ class PersistsLand(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         engine = trainer.checkpoint_callback.engine
-        if engine._persist is not None:
-            engine._persist.exception()  # waits for it
+        if engine.persists.in_flight is not None:
+            engine.persists.in_flight.exception()  # waits for it
 
 
 def test_without_persist_on_fit_end_the_last_checkpoint_stays_partial(tmp_path: Path) -> None:

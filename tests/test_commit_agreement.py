@@ -17,7 +17,10 @@ from trainee import TINY, Trainee, every_step_config
 
 from moc_lightning.engine.layout import build_layout
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.pec.checkpointer import COMMIT_POINTS, PECCheckpointer, checkpoint_name
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.commit import COMMIT_POINTS
+from moc_lightning.pec.stored import checkpoint_name
+from moc_lightning.pec.write_plan import model_units
 from moc_lightning.storage import CheckpointStorage, make_storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")
@@ -40,7 +43,7 @@ def _engine(storage: CheckpointStorage, group: dist.ProcessGroup, **kwargs: Any)
 
 def _persist_three_times(engine: PECCheckpointer, arm: Any) -> dict[str, Any]:
     """Persist steps 1 (clean), 2 (with the fault armed by ``arm()``) and 3 (clean again); what each rank saw."""
-    units = engine._all_units()
+    units = model_units(engine.layout)
     root = Path(engine.storage.url.removeprefix("file://"))
     engine.persist(1, units)
     arm()

@@ -22,7 +22,8 @@ from moc_lightning.config import CheckpointConfig
 from moc_lightning.engine.units import parse_unit
 from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models import ExpertParallelTopology, GPTMoEConfig
-from moc_lightning.pec.checkpointer import PersistFailed, SaveReport
+from moc_lightning.pec.outcomes import PersistFailed
+from moc_lightning.pec.persist import SaveReport
 
 MODEL_16E = GPTMoEConfig(block_size=32, num_experts=16)
 MOE_LAYERS = 2  # n_layer=4, an MoE block every other one

@@ -14,7 +14,7 @@ from moc_lightning.engine.manifest import Manifest
 from moc_lightning.engine.units import ExpertUnit
 from moc_lightning.memory.snapshot import SnapshotStore
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.pec.checkpointer import MANIFEST
+from moc_lightning.pec.stored import MANIFEST
 
 
 def _two_checkpoints(url: str) -> tuple[dict[int, dict[str, torch.Tensor]], Path]:
@@ -156,7 +156,7 @@ def test_a_unit_only_the_damaged_checkpoint_held_is_rolled_back_to_its_state_bef
     for step, units in ((1, engine.layout.dense_units), (2, (*engine.layout.dense_units, only_in_step_2))):
         trainee.step(step)
         engine.record_tokens(trainee.model.moe_layers())
-        engine.mark_step(step)
+        engine.tokens.mark_step(step)
         engine.persist(step, units)
     root = Path(url.removeprefix("file://")) / "step_000000002"
     data = next(root.glob("*.distcp"))

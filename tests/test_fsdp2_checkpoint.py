@@ -115,7 +115,7 @@ def _write(rank: int, world_size: int, root: str) -> dict:
         for engine in (k1, full):
             engine.record_tokens(trainee.model.moe_layers())
     report = k1.checkpoint(3)
-    full.mark_step(3)
+    full.tokens.mark_step(3)
     experts = [ExpertUnit(layer, e) for layer in range(len(TINY_MOE_LAYERS)) for e in range(TINY.num_experts)]
     full.persist(3, [*full.layout.dense_units, *experts])
     return written | {"captured_3": trainee.snapshot(), "k1_report": report, "k1_eq6": k1.size_model().c_pec(1)}
@@ -266,8 +266,8 @@ def snapshot_and_recover(
         captured[step] = trainee.snapshot()
     snapshotted = {meta.step: set(meta.units) for meta in engine.store.committed()}
     slot = engine.store.committed()[-1]
-    whole_bytes = sum(pec.unit_nbytes(parse_unit(key)) for key in slot.units) + sum(
-        pec.unit_nbytes(parse_unit(unit), part) for unit, part in map(split_part_key, slot.parts)
+    whole_bytes = sum(pec.plan.unit_nbytes(parse_unit(key)) for key in slot.units) + sum(
+        pec.plan.unit_nbytes(parse_unit(unit), part) for unit, part in map(split_part_key, slot.parts)
     )
     fresh = Trainee(ExpertParallelTopology.from_process_group(1), seed=1, fsdp2=True, shard_size=shard_size)
     store = SnapshotStore(shm)

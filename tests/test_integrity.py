@@ -30,7 +30,9 @@ from trainee import TINY, Trainee, every_step_config
 from moc_lightning.engine.layout import build_layout
 from moc_lightning.engine.manifest import Manifest
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.pec.checkpointer import MANIFEST, PECCheckpointer, PersistFailed
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.outcomes import PersistFailed
+from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.sharding.planner import MoCSavePlanner
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, make_storage
 from moc_lightning.storage.filesystem import ChecksummedStorageInfo

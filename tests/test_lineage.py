@@ -26,7 +26,9 @@ from moc_lightning.lightning.shared_memory import check_shm_root
 from moc_lightning.lightning.start import SET_ASIDE
 from moc_lightning.memory.snapshot import NUM_SLOTS
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.pec.checkpointer import PECCheckpointer, PersistFailed
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.outcomes import PersistFailed
+from moc_lightning.pec.write_plan import model_units
 from moc_lightning.storage import make_storage
 
 
@@ -218,12 +220,12 @@ def test_a_persist_into_another_runs_storage_writes_nothing(tmp_path: Path) -> N
         return pec
 
     first, second = engine(), engine()
-    first.commit_lineage(Manifest(lineage=first.lineage))
-    first.persist(1, first._all_units())
-    second.commit_lineage(Manifest(lineage=second.lineage))  # the second run takes the URL over
-    second.persist(2, second._all_units())
+    first.persister.commit_lineage(Manifest(lineage=first.lineage))
+    first.persist(1, model_units(first.layout))
+    second.persister.commit_lineage(Manifest(lineage=second.lineage))  # the second run takes the URL over
+    second.persist(2, model_units(second.layout))
     written = sorted(p.stat().st_mtime_ns for p in (tmp_path / "ckpt" / "step_000000002").rglob("*"))
     with pytest.raises(PersistFailed, match=rf"lineage: LineageError: .* belongs to lineage {second.lineage.run_id}"):
-        first.persist(2, first._all_units())
+        first.persist(2, model_units(first.layout))
     assert sorted(p.stat().st_mtime_ns for p in (tmp_path / "ckpt" / "step_000000002").rglob("*")) == written
     assert [r.step for r in second.read_manifest().records] == [2]

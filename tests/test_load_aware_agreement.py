@@ -16,10 +16,11 @@ from dist_utils import run_ranks
 from trainee import Trainee
 
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.engine.manifest import CheckpointRecord
 from moc_lightning.memory.snapshot import SnapshotStore
 from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology
-from moc_lightning.pec.checkpointer import CheckpointRecord
+from moc_lightning.pec.write_plan import model_units
 
 
 def _select_while_a_commit_lands(rank: int, world_size: int, url: str, shm: str) -> list[Any]:
@@ -30,14 +31,14 @@ def _select_while_a_commit_lands(rank: int, world_size: int, url: str, shm: str)
     ), url)
     engine = TwoLevelCheckpointer(pec, SnapshotStore(Path(shm) / f"rank{rank}"))
     chosen: list[Any] = []
-    select = pec.select
+    select = pec.selector.select
 
     def recording_select(*args: Any, **kwargs: Any) -> Any:
         selection = select(*args, **kwargs)
         chosen.append(selection.snapshot)
         return selection
 
-    pec.select = recording_select
+    pec.selector.select = recording_select
     for step in range(1, 4):
         trainee.step(step)
         pec.record_tokens(trainee.model.moe_layers())
@@ -47,7 +48,7 @@ def _select_while_a_commit_lands(rank: int, world_size: int, url: str, shm: str)
     if rank == 1:  # this rank reads storage just after the coordinator committed a persist of every expert
         committed = pec.read_manifest()
         landed = CheckpointRecord(
-            name="step_000000004", step=4, units=tuple(u.key for u in pec._all_units()), strategy="adaptive",
+            name="step_000000004", step=4, units=tuple(u.key for u in model_units(pec.layout)), strategy="adaptive",
             world_size=world_size, ep=topology.ep, backend="filesystem",
         )
         pec.read_manifest = lambda: committed.with_record(landed)  # type: ignore[method-assign]

@@ -20,7 +20,8 @@ from moc_lightning.config import CheckpointConfig
 from moc_lightning.engine.layout import build_layout
 from moc_lightning.memory.snapshot import NUM_SLOTS, SnapshotStore
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.pec.checkpointer import LoadReport, PECCheckpointer
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.loading import LoadReport
 from moc_lightning.storage import make_storage
 
 

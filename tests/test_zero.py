@@ -90,9 +90,9 @@ def _persist(
     engine.record_tokens(model.moe_layers())
     report = engine.checkpoint(STEPS)
     rank = model.topology.rank
-    kept = [u for u in layout.units if engine.state_owners[u.key] == rank]
+    kept = [u for u in layout.units if engine.plan.state_owners[u.key] == rank]
     units = [u for u in kept if u.key in report.units]
-    parts = engine.partial_parts([parse_unit(key) for key in report.units])
+    parts = engine.plan.partial_parts([parse_unit(key) for key in report.units])
     with_state = [u for u in kept if u.key in report.units or f"{u.key}/optimizer" in parts]
     items = storage.reader(report.name).read_metadata().storage_data
     mine = {index.fqn: info.length for index, info in items.items() if info.relative_path.startswith(f"__{rank}_")}

@@ -26,7 +26,7 @@ Load-aware selection saves the experts with the most tokens not yet saved at eac
 
 A lineage's first persist takes every expert (:func:`every_expert`, ``checkpoint.complete_first_persist``);
 the engine asks the policy all the same, so the rotation advances as if that checkpoint had been a PEC one
-and the schedule from the second checkpoint on is plain PEC's (see :meth:`PECCheckpointer.select`).
+and the schedule from the second checkpoint on is plain PEC's (see :meth:`ExpertSelector.select`).
 """
 
 from __future__ import annotations

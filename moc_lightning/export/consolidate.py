@@ -50,7 +50,7 @@ from moc_lightning.engine.manifest import CheckpointRecord, Manifest, ManifestEr
 from moc_lightning.engine.parts import PARTS, part_key, part_key_of, split_part_key
 from moc_lightning.engine.units import DenseUnit, ExpertUnit, Unit, parse_unit
 from moc_lightning.export import hf_format
-from moc_lightning.pec.checkpointer import MANIFEST, UnreadableCheckpoint, read_description, read_manifest
+from moc_lightning.pec.stored import MANIFEST, UnreadableCheckpoint, read_description, read_manifest
 from moc_lightning.storage import CheckpointStorage, CorruptCheckpointError, corrupt_from, make_storage
 from moc_lightning.storage.location import local_path
 
@@ -177,7 +177,7 @@ class StorageRoot:
 def read_parts(reader: StorageReader, parts: frozenset[str]) -> dict[str, torch.Tensor]:
     """Every stored tensor of ``parts`` (part keys) in one checkpoint, whole: sized from its metadata, filled by
     DCP. A weights part without a tensor is damage; an optimizer part may have none (a parameter not yet
-    updated has no state), as :meth:`PECCheckpointer.load_from_storage` allows."""
+    updated has no state), as :meth:`~moc_lightning.pec.loading.Loader.load_from_storage` allows."""
     metadata = reader.read_metadata().state_dict_metadata
     tensors = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)

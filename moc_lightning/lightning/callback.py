@@ -73,7 +73,7 @@ from moc_lightning.lightning.shared_memory import check_shm_root, remove_slots
 from moc_lightning.lightning.start import agreed_manifest
 from moc_lightning.lightning.tokens import TokenCounts
 from moc_lightning.memory.two_level import RecoveryReport, TwoLevelCheckpointer
-from moc_lightning.pec.checkpointer import MANIFEST
+from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.replay.driver import ReplayReport, WindowCapture
 from moc_lightning.replay.memory import WindowMemory
 from moc_lightning.replay.window_choice import WindowChoice

@@ -132,9 +132,9 @@ class ReplayWiring:
             raise RuntimeError(f"the replay window from step {log.start_step} holds no trainer state of its end")
         engine.store.clear()  # PEC's slots play no part in replay mode
         resumed = lineage.resumed_at(log.end_step if log is not None else 0)
-        engine.pec.commit_lineage(manifest.with_lineage(resumed))
+        engine.pec.persister.commit_lineage(manifest.with_lineage(resumed))
         engine.lineage = resumed
-        engine.pec.base_on(manifest)
+        engine.pec.selector.base_on(manifest)
         if log is None:
             return None
         self._to_replay = found

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from moc_lightning.engine.lineage import Lineage
 from moc_lightning.engine.manifest import Manifest, ManifestError
-from moc_lightning.pec.checkpointer import MANIFEST, PREVIOUS_MANIFEST, PECCheckpointer
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.stored import MANIFEST, PREVIOUS_MANIFEST
 from moc_lightning.runtime.agreement import from_coordinator
 from moc_lightning.storage.location import local_path
 from moc_lightning.storage.objects import fsync_dir

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moc_lightning.engine.layout import Layout, UnitBytes
 from moc_lightning.engine.units import Unit
-from moc_lightning.pec.checkpointer import expected_state_bytes
+from moc_lightning.pec.sizing import expected_state_bytes
 from moc_lightning.replay.core import offset_bytes, window_schedule
 from moc_lightning.replay.window_file import WINDOW_SLOTS
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from moc_lightning.engine.lineage import Lineage
-from moc_lightning.pec.checkpointer import AgreedFailure
+from moc_lightning.pec.outcomes import AgreedFailure
 from moc_lightning.replay.driver import WINDOW_PREFIX, WindowLog
 from moc_lightning.replay.window_file import WINDOW_SLOTS, WindowSlot
 from moc_lightning.runtime.agreement import gather

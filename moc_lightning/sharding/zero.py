@@ -10,7 +10,7 @@ holders.
 The partition is by unit (:mod:`moc_lightning.engine.layout`): all parameters of a unit share one owner, so a unit's
 optimizer state is whole on one rank and a checkpoint can snapshot and write it there, whole, without
 gathering anything; the unit's weights, replicated over its holders, a persist splits over them as under DDP
-(:meth:`moc_lightning.pec.checkpointer.PECCheckpointer._zero_writes`). Units that share a parameter (the experts of a stacked ``[E, ...]`` tensor) form one
+(:meth:`moc_lightning.pec.write_plan.WritePlan._zero_writes`). Units that share a parameter (the experts of a stacked ``[E, ...]`` tensor) form one
 *bundle* and share their owner. Bundles are placed largest first onto the holder with the fewest parameters
 so far (LPT): dense bundles over all ranks, then each expert bundle over its replicas. Every rank computes the
 same answer for what it needs with no communication: the dense placement is the same everywhere, and the

@@ -1,0 +1,116 @@
+"""The persist in flight: level 2 runs on its own thread, writing a committed snapshot slot through the PEC engine.
+
+At most one persist is in flight. Its slot is kept from reuse while it runs and becomes the recovery buffer when it
+succeeds (the triple buffer of MoC-System: snapshot, persist, recovery). Every persist's outcome is kept in order,
+so that the ranks can agree on the persists all of them have seen succeed (the view of storage selection needs
+while the coordinator may be committing the next one).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from moc_lightning.engine.parts import part_key_of
+from moc_lightning.engine.units import Unit, parse_unit
+from moc_lightning.memory.snapshot import SlotMeta, SnapshotStore
+from moc_lightning.memory.stats import CheckpointStats
+from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.outcomes import PersistFailed
+from moc_lightning.pec.persist import SaveReport
+from moc_lightning.runtime.background import background_executor
+from moc_lightning.runtime.distributed import collective_device
+from moc_lightning.runtime.faults import FaultInjector
+from moc_lightning.storage import find_cause
+
+
+class PersistQueue:
+    """Runs persists of snapshot slots in the background, one at a time, and accounts them.
+
+    Public: :meth:`start`, :meth:`poll`, :meth:`wait`, :meth:`running`, :meth:`agreed`, :meth:`slots_in_use`;
+    ``in_flight`` (the running persist's future, ``None`` when none is).
+    """
+
+    def __init__(
+        self, pec: PECCheckpointer, store: SnapshotStore, faults: FaultInjector, stats: CheckpointStats
+    ) -> None:
+        self._pec = pec
+        self._store = store
+        self._faults = faults
+        self._stats = stats
+        self._executor = background_executor("moc-persist")
+        self.in_flight: Future[SaveReport] | None = None
+        self._persisting_slot: int | None = None
+        self._recovery_slot: int | None = None
+        self._outcomes: list[SaveReport | None] = []
+        """Every periodic persist's outcome in order (``None``: failed), as this rank reaped them; every rank
+        sees the same outcomes (a persist is all-or-nothing), though not at the same moment."""
+
+    def start(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> None:
+        """Persist ``units`` whole and ``parts`` from the committed slot ``meta`` on the persist thread."""
+        # The ranks agreed the previous persist was done, but it may have finished after the last poll:
+        # account it now, or its result (and its slot becoming the recovery buffer) would be lost.
+        self.poll()
+        self._persisting_slot = meta.slot
+        self.in_flight = self._executor.submit(self._persist_slot, meta, units, parts)
+
+    def running(self) -> bool:
+        """Whether a persist is in flight and not finished (this rank's view; the ranks sum it before deciding)."""
+        return self.in_flight is not None and not self.in_flight.done()
+
+    def slots_in_use(self) -> set[int]:
+        """The slots a new snapshot must not take: the one being persisted and the recovery buffer."""
+        return {s for s in (self._persisting_slot, self._recovery_slot) if s is not None}
+
+    def poll(self) -> None:
+        """Account a finished persist (never blocks); a failed one is counted and logged, and training goes on."""
+        if self.in_flight is None or not self.in_flight.done():
+            return
+        error = self.in_flight.exception()
+        self._outcomes.append(self.in_flight.result() if error is None else None)
+        rank = self._pec.topology.rank
+        if error is None:
+            self._stats.persists += 1
+            self._stats.persist_reports.append(self.in_flight.result())
+            self._recovery_slot = self._persisting_slot
+            self._pec.prune_ledger(in_memory=self._store.steps())
+        else:
+            self._stats.failed_persists += 1
+            if isinstance(error, PersistFailed):  # agreed by every rank: nothing committed, the group is usable
+                print(f"[moc_lightning] rank {rank}: {error}; training goes on and the next persist tries again")
+            else:
+                cause = find_cause(error, OSError) or error
+                print(f"[moc_lightning] rank {rank}: persist raised {type(cause).__name__}: {cause} outside its "
+                      "agreed phases (a peer lost?); training goes on")
+        self.in_flight = None
+        self._persisting_slot = None
+
+    def wait(self) -> None:
+        """Wait for the persist in flight, if any, and account it."""
+        if self.in_flight is not None:
+            self.in_flight.exception()
+        self.poll()
+
+    def agreed(self) -> list[SaveReport]:
+        """The successful persists every rank has reaped (collective): a view of storage all ranks share,
+        where the manifest itself may be mid-commit on the coordinator while others read it."""
+        count = torch.tensor([len(self._outcomes)])
+        if dist.is_initialized():
+            count = count.to(collective_device())
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        return [r for r in self._outcomes[: int(count.item())] if r is not None]
+
+    def _persist_slot(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> SaveReport:
+        wanted = {u.key for u in units}
+        keys = [k for k in meta.entries if parse_unit(k).key in wanted or part_key_of(k) in parts]
+        return self._pec.persist(
+            meta.step,
+            units,
+            parts=parts,
+            from_slot=self._store.read(meta, keys),
+            engine_state=meta.extra["engine"],
+            trainer_state=meta.extra["trainer"],
+            before_commit=lambda: self._faults.at("persist", meta.step),
+        )

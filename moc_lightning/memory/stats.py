@@ -1,0 +1,32 @@
+"""What the two levels did, counted where it happens and read by logs and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moc_lightning.pec.persist import SaveReport
+
+
+@dataclass
+class CheckpointStats:
+    """What the two levels did, for logs and benchmarks."""
+
+    snapshots: int = 0
+    persists: int = 0
+    skipped_persists: int = 0
+    failed_persists: int = 0
+    copy_seconds: list[float] = field(default_factory=list)
+    """Per snapshot, the copy into its slot (host buffers on the training thread, the rest on the copy thread)."""
+    snapshot_seconds: list[float] = field(default_factory=list)
+    """Per snapshot, from the start of its copy to its slot's commit (trainer state and metadata written)."""
+    stall_seconds: list[float] = field(default_factory=list)
+    """Per snapshot, the training thread's time on it: taking it at the batch end, then waiting for its commit
+    before the next optimizer step."""
+    wait_seconds: list[float] = field(default_factory=list)
+    """Per snapshot, the wait for its commit alone."""
+    snapshot_bytes: list[int] = field(default_factory=list)
+    persist_reports: list[SaveReport] = field(default_factory=list)
+    """The periodic persists (``persists`` counts them)."""
+    final_persist: SaveReport | None = None
+    """The persist of every unit when ``fit`` ended (``persist_on_fit_end``), kept apart from the periodic ones."""
+
