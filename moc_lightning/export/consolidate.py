@@ -307,8 +307,10 @@ def _join(group: Sequence[Piece], num_experts: Sequence[int], slice_shape: torch
     if slice_shape is not None and first.tensor.shape != slice_shape:
         return max(group, key=lambda p: p.step).tensor
     ordered = sorted(group, key=lambda p: p.unit)
-    held = [p.unit.expert for p in ordered]
-    expected = list(range(num_experts[first.unit.layer]))
+    experts = [p.unit for p in ordered if isinstance(p.unit, ExpertUnit)]
+    assert len(experts) == len(ordered), "only an expert's tensor is a slice of a stacked parameter"
+    held = [unit.expert for unit in experts]
+    expected = list(range(num_experts[experts[0].layer]))
     if held != expected:
         raise ConsolidateError(
             f"stacked parameter {first.param!r} needs experts {expected}, only {held} are stored; "
@@ -383,7 +385,9 @@ def consolidate(
     options = _format_options(fmt, prefix=prefix, max_shard_size=max_shard_size)
     root = StorageRoot(url)
     manifest = root.manifest()
-    layout = root.layout(manifest.latest)
+    latest = manifest.latest
+    assert latest is not None, "StorageRoot.manifest() refuses a manifest that lists no checkpoint"
+    layout = root.layout(latest)
     num_experts = layout["num_experts"]
     chosen = plan(manifest, num_experts)
     if chosen.missing and not allow_missing:
@@ -395,7 +399,7 @@ def consolidate(
         read_pieces(root, chosen, progress),
         num_experts,
         chosen.provenance(),
-        root.model(manifest.latest),
+        root.model(latest),
         layout.get("aliases"),  # absent from checkpoints written before aliases were recorded
     )
     out = Path(out)

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 
 from moc_lightning.engine.layout import build_layout
@@ -103,8 +104,9 @@ class CausalLMModule(L.LightningModule, ABC):
         lm_loss, _ = self.losses(batch)
         self.log("val_loss", lm_loss, prog_bar=True, sync_dist=True)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         cfg = self.optim_config
+        assert self.model is not None, "the subclass sets self.model in its __init__"
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
