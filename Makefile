@@ -1,5 +1,5 @@
 # Two entry points (see README): `make train` and `make test`. Both create .venv on first use. `make gpu-check` runs
-# the CUDA checks on a GPU node (README, Performance).
+# the CUDA checks on a GPU node (docs/performance.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

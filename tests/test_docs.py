@@ -41,6 +41,23 @@ def test_the_readme_is_a_front_door_whose_links_resolve() -> None:
     assert "make train" in readme.read_text() and "make test" in readme.read_text()
 
 
+def test_the_make_targets_the_docs_name_exist() -> None:
+    """``make train``, ``make test`` and the others the README and docs/ tell a reader to run are Makefile targets."""
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    named = {target for page in pages for target in re.findall(r"`make ([a-z][a-z-]*)\b", page.read_text())}
+    named |= set(re.findall(r"make ([a-z][a-z-]*) &&", (ROOT / "README.md").read_text()))
+    assert {"train", "test"} <= named
+    assert named - targets == set(), "the docs name make targets the Makefile lacks"
+
+
+def test_every_relative_link_in_docs_resolves() -> None:
+    """mkdocs checks the links between its pages; this also covers a page's links outside docs/."""
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    assert pages, "docs/ holds the documentation"
+    assert {str(page.relative_to(ROOT)): dead_links(page) for page in pages if dead_links(page)} == {}
+
+
 def test_a_dead_link_is_found(tmp_path: Path) -> None:
     (tmp_path / "there.md").write_text("x")
     page = tmp_path / "page.md"
