@@ -302,6 +302,6 @@ def unknown_message(unknown: Mapping[str, str]) -> str:
         f"PLT is unknown: no router counts for {len(unknown)} MoE layer(s) ({layers}). Recoveries report PLT "
         "as unknown and moc/plt is not logged. To measure it, name the router module 'router' or 'gate', give "
         "it or the MoE layer a top_k attribute, or have the MoE layer module set tokens_per_expert ([N] tokens "
-        "each expert processed) and tokens_assigned (tokens x top-k) in its forward (see the README)"
+        "each expert processed) and tokens_assigned (tokens x top-k) in its forward (see docs/bring-your-own-model.md)"
     )
 

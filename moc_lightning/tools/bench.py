@@ -542,7 +542,7 @@ class MoCMethod(Method):
             storage=StorageConfig(url=(root / "ckpt").as_uri()),
             shm_root=str(shm_root),
             persist_on_fit_end=False,  # like the other methods: periodic checkpoints only, no save_last
-            complete_first_persist=False,  # PEC's steady state (eq. 6); the one complete persist is in the README
+            complete_first_persist=False,  # PEC's steady state (eq. 6); the one complete persist: docs/user-guide.md
             **options,
         )
         self.checkpoint = MoCCheckpoint(copy.deepcopy(self.config))
