@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from recipe_runs import run_python
 
 QUICK_BENCH = pytest.mark.xdist_group("quick_bench")
 """Mark of the tests that use the ``quick_bench`` fixture: one pytest-xdist worker runs them all, so the
@@ -26,8 +23,7 @@ class BenchRun:
 
 def run_quick_bench(directory: Path) -> BenchRun:
     out = directory / "bench.json"
-    cmd = [sys.executable, "recipes/bench.py", "preset=quick", f"out={out}", f"hydra.run.dir={directory / 'run'}",
+    cmd = ["recipes/bench.py", "preset=quick", f"out={out}", f"hydra.run.dir={directory / 'run'}",
            f"shm_root={directory}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(cmd, timeout=600)
     return BenchRun(out, proc.stdout)

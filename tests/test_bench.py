@@ -8,14 +8,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from quick_bench import QUICK_BENCH, ROOT, BenchRun
+from quick_bench import QUICK_BENCH, BenchRun
+from recipe_runs import run_python
 from storage_faults import takes_direct_io
 
 from moc_lightning.models.gpt_moe import GPTMoEConfig
@@ -135,12 +134,11 @@ def test_two_processes_measure_moc_beside_dcp_and_skip_what_cannot_save_the_mode
     Failed on 02aaa0c (``devices`` was not a field of the benchmark's config) and, for fsdp2, on 2900304
     (``data_parallel=fsdp2`` refused; then the speed of light copied DTensors into a plain buffer)."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "recipes/bench.py",
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "recipes/bench.py",
            "model=tiny", "devices=2", f"data_parallel={mode}", "steps=8", "every_n_train_steps=4",
            "methods=[lightning_sync,dcp_async,moc_k1]", f"out={out}", f"hydra.run.dir={tmp_path / 'run'}",
            f"shm_root={tmp_path}"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(cmd, timeout=300)
     assert proc.stdout.count("| method |") == 1, "rank 0 alone reports"
     result = json.loads(out.read_text())
     assert (result["world_size"], result["data_parallel"]) == (2, mode)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from dist_utils import run_ranks
 from omegaconf import OmegaConf
+from recipe_runs import ROOT, run_python
 from trainee import TINY, Trainee
 
 from moc_lightning.engine.layout import build_layout
@@ -21,7 +20,6 @@ from moc_lightning.models import ExpertParallelTopology
 from moc_lightning.models.gpt_moe import GPTMoE, GPTMoEConfig
 from moc_lightning.tools.memory_probe import RssSampler, growth_rows, held_state_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
 GROWTH = re.compile(
     r"\[memory\] rank (\d): (snapshot_copy|snapshot|persist|final_persist) peak RssAnon [\d.]+ MB, RssShmem [\d.]+ MB "
     r"\((\d+) samples\); anon_growth=([+-][\d.]+) MB anon_growth_pct=([+-][\d.]+)% "
@@ -49,7 +47,6 @@ def _expected_state_bytes() -> int:
 def test_memory_report_prints_every_rank_s_state_and_growth(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable,
         "recipes/memory_report.py",
         "model=tiny",
         "trainer.max_steps=4",
@@ -57,8 +54,7 @@ def test_memory_report_prints_every_rank_s_state_and_growth(tmp_path: Path) -> N
         f"checkpoint.shm_root={tmp_path / 'shm'}",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(cmd, timeout=180)
 
     # every save phase of every rank is printed with its growth and rise, from real samples
     found = {(int(m[1]), m[2]): m.groups()[2:] for m in GROWTH.finditer(proc.stdout)}

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from quick_bench import QUICK_BENCH, BenchRun
+from recipe_runs import ROOT, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks/moc_analysis.ipynb"
 FIGURES = ("checkpoint_size_vs_k", "stall_and_overhead", "speed_of_light", "plt_vs_k_and_interval",
            "val_loss_per_method", "ettr_vs_mtbf")  # fmt: skip
@@ -40,8 +38,7 @@ def test_notebook_is_nbformat_4_without_outputs() -> None:
 
 
 def recipe(*args: str) -> None:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_python(args, timeout=300)
 
 
 @pytest.mark.slow
@@ -56,9 +53,7 @@ def test_notebook_plots_every_figure_from_the_quick_outputs(tmp_path: Path, quic
     script.write_text("\n\n".join("".join(cell["source"]) for cell in cells))
 
     env = {**os.environ, "MOC_ANALYSIS_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_python([str(script)], timeout=300, env=env)
     for name in FIGURES:
         png = tmp_path / "figures" / f"{name}.png"
         assert png.stat().st_size > 0 and png.read_bytes().startswith(PNG_SIGNATURE), png

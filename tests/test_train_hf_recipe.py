@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recipe_runs import run_python
 from test_train_recipe import _column, _read_metrics
 
 from moc_lightning.engine.manifest import Manifest
 from moc_lightning.storage.sealed import unseal
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install 'moc_lightning[hf]'")
 
@@ -21,7 +18,6 @@ pytest.importorskip("transformers", reason="the hf extra is not installed: pip i
 def test_recipe_trains_a_hugging_face_moe_and_commits_checkpoints_that_record_the_model(tmp_path: Path) -> None:
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     cmd = [
-        sys.executable,
         "recipes/train_hf.py",
         "model=hf_qwen3_moe_tiny",
         "model.block_size=32",
@@ -37,8 +33,7 @@ def test_recipe_trains_a_hugging_face_moe_and_commits_checkpoints_that_record_th
         f"checkpoint.storage.url={ckpt.as_uri()}",
         f"checkpoint.shm_root={tmp_path / 'shm'}",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(cmd, timeout=300)
     assert "finished 10 steps" in proc.stdout
     rows = _read_metrics(run_dir)
     assert len(_column(rows, "train_loss")) == 5 and _column(rows, "val_loss")

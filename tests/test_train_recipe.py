@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recipe_runs import run_python
 from torch.distributed.checkpoint import FileSystemReader
 
 from moc_lightning.engine.manifest import Manifest
 from moc_lightning.engine.units import parse_unit
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _read_metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -32,7 +29,6 @@ def test_train_recipe_two_processes_learns_and_writes_pec_checkpoints(tmp_path: 
     run_dir = tmp_path / "run"
     ckpt = tmp_path / "ckpt"
     cmd = [
-        sys.executable,
         "recipes/train.py",
         "model=tiny",
         "trainer.devices=2",
@@ -46,8 +42,7 @@ def test_train_recipe_two_processes_learns_and_writes_pec_checkpoints(tmp_path: 
         f"checkpoint.storage.url={ckpt.as_uri()}",
         f"checkpoint.shm_root={tmp_path / 'shm'}",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(cmd, timeout=180)
     rows = _read_metrics(run_dir)
     train_loss = _column(rows, "train_loss")
     assert len(train_loss) >= 5
@@ -73,7 +68,6 @@ def test_train_recipe_two_processes_learns_and_writes_pec_checkpoints(tmp_path: 
 def test_train_recipe_runs_under_torchrun(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node=2",
@@ -86,7 +80,6 @@ def test_train_recipe_runs_under_torchrun(tmp_path: Path) -> None:
         f"hydra.run.dir={run_dir}",
         f"checkpoint.shm_root={tmp_path / 'shm'}",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(cmd, timeout=180)
     assert "finished 12 steps" in proc.stdout
     assert _column(_read_metrics(run_dir), "val_loss")

@@ -67,7 +67,7 @@ from moc_lightning.lightning.engines import (
 from moc_lightning.lightning.evaluation import newest_weights, no_best
 from moc_lightning.lightning.loads import complete_restores_in_restore, moc_io, route_strategy_loads
 from moc_lightning.lightning.recovery import checkpoint_from, fresh_checkpoint, restore_optimizer
-from moc_lightning.lightning.replay_wiring import ReplayWiring
+from moc_lightning.lightning.replay_wiring import ReplayAttribute, ReplayWiring
 from moc_lightning.lightning.reporting import PersistLog, fit_summary, report_recovery, report_replay, snapshot_metrics
 from moc_lightning.lightning.shared_memory import check_shm_root, remove_slots
 from moc_lightning.lightning.start import agreed_manifest
@@ -181,31 +181,12 @@ class MoCCheckpoint(Checkpoint):
             report_replay(trainer, engine.rank, self.replay.replay(trainer, engine))
             self.counts.discard()  # the replay's routing was counted in the faulty run already
 
-    # ------------------------------------------------------ replay mode's state
-    @property
-    def capture(self) -> WindowCapture | None:
-        """``mode=replay``: this fit's window captures (from the first iteration, or once ``window=auto`` chose W)."""
-        return self.replay.capture
-
-    @property
-    def window_choice(self) -> WindowChoice | None:
-        """``mode=replay`` with ``replay.window=auto``: W and what it was chosen from (``None`` until chosen)."""
-        return self.replay.window_choice
-
-    @property
-    def windows(self) -> WindowStore | None:
-        """``mode=replay``: where completed windows go (shared memory, then storage) and are found on resume."""
-        return self.replay.windows
-
-    @property
-    def replay_report(self) -> ReplayReport | None:
-        """``mode=replay``: what the resume replayed (``None`` when it replayed nothing)."""
-        return self.replay.report
-
-    @property
-    def window_memory(self) -> WindowMemory | None:
-        """``mode=replay``: the host memory of the windows, reported and checked before training."""
-        return self.replay.memory
+    # ------------------------------------------------------ replay mode's state (``mode=replay``; ``None`` otherwise)
+    capture = ReplayAttribute[WindowCapture | None]("capture", "This fit's window captures.")
+    window_choice = ReplayAttribute[WindowChoice | None]("window_choice", "``window=auto``: W and what it came from.")
+    windows = ReplayAttribute[WindowStore | None]("windows", "Where windows go and are found on resume.")
+    replay_report = ReplayAttribute[ReplayReport | None]("report", "What the resume replayed (``None``: nothing).")
+    window_memory = ReplayAttribute[WindowMemory | None]("memory", "The host memory of the windows, checked first.")
 
     # ---------------------------------------------------------------- set-up
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

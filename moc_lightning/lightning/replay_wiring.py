@@ -11,7 +11,7 @@ Lightning's restore, so every unit is at its fault-free state of the resume step
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 import lightning as L
 
@@ -34,6 +34,35 @@ from moc_lightning.replay.window_store import Restored, WindowStore
 from moc_lightning.runtime.agreement import from_coordinator
 from moc_lightning.runtime.background import spare_core
 from moc_lightning.storage import CheckpointStorage
+
+
+T = TypeVar("T")
+
+
+class _HasReplay(Protocol):
+    replay: ReplayWiring
+
+
+class ReplayAttribute(Generic[T]):
+    """A read-only attribute of the callback that reads :class:`ReplayWiring`'s attribute ``name``.
+
+    The callback shows replay mode's state under the names it had before that state moved here (``moc.capture``,
+    ``moc.replay_report``, ...); one descriptor serves them all."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self._name = name
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> ReplayAttribute[T]: ...
+
+    @overload
+    def __get__(self, instance: _HasReplay, owner: type) -> T: ...
+
+    def __get__(self, instance: _HasReplay | None, owner: type) -> ReplayAttribute[T] | T:
+        if instance is None:
+            return self
+        return cast(T, getattr(instance.replay, self._name))
 
 
 class ReplayWiring:
