@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recipe_runs import ROOT, run_python
 
 from moc_lightning.tools.mtbf_projection import (
     MeasuredCosts,
@@ -23,7 +22,6 @@ from moc_lightning.tools.mtbf_projection import (
     young_interval,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 COSTS = MeasuredCosts(
     iteration_seconds=1.0, num_experts=16, full_stall=0.4, full_recover=4.0, k1_stall=0.1, k1_recover=3.0,
     replay_stall_per_iteration=0.03, replay_recover=6.0, replay_seconds=2.5, replay_window=4,
@@ -113,8 +111,7 @@ def test_recipe_prints_the_mtbf_table_from_a_bench(tmp_path: Path) -> None:
     bench = _bench() | {"speed_of_light": {"copy_gbps": 7.0}}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     out = tmp_path / "projection.json"
-    command = [sys.executable, str(ROOT / "recipes/projection.py"), "bench=bench.json", f"out={out}"]
-    proc = subprocess.run(command, cwd=tmp_path, check=True, capture_output=True, text=True)
+    proc = run_python([str(ROOT / "recipes/projection.py"), "bench=bench.json", f"out={out}"], 120, cwd=tmp_path)
     assert "| MTBF | ETTR full | ETTR pec+dynamic_k | ETTR replay |" in proc.stdout
     sweep = json.loads(out.read_text())["mtbf_sweep"]
     assert [row["mtbf_seconds"] for row in sweep] == [600, 1800, 7200, pytest.approx(3.1 * 3600)]

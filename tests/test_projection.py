@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from recipe_runs import ROOT, run_python
 
 from moc_lightning.tools.projection import (
     ClusterScenario,
@@ -24,8 +23,6 @@ from moc_lightning.tools.projection import (
     save_overhead,
     snapshot_stall,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = ClusterScenario(
     gpus=2,
@@ -158,8 +155,7 @@ def test_recipe_takes_bandwidths_from_a_bench_and_defaults_without_one(tmp_path:
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     for bench_arg, snapshot, persist in (("bench.json", 0.25, 1.5), ("missing.json", 10.0, 0.1)):
         out = tmp_path / f"projection_{bench_arg}"
-        command = [sys.executable, str(ROOT / "recipes/projection.py"), f"bench={bench_arg}", f"out={out}"]
-        subprocess.run(command, cwd=tmp_path, check=True, capture_output=True)
+        run_python([str(ROOT / "recipes/projection.py"), f"bench={bench_arg}", f"out={out}"], timeout=120, cwd=tmp_path)
         result = json.loads(out.read_text())
         assert result["scenario"]["snapshot_gbps"] == snapshot  # moc_paper's figure, or the default
         assert result["scenario"]["persist_gbps"] == persist  # no moc_full row: speed of light, or the default
