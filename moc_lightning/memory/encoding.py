@@ -1,6 +1,7 @@
 """The trainer state as text: it travels inside a slot's JSON metadata and a persist's per-rank bytes item.
 
-Decoding is a full unpickle (``weights_only=False``), of a slot's metadata or a persist's ``rank_state`` item.
+Decoding reads what shared memory or storage holds, so it is untrusted input: torch's weights-only unpickler, which
+refuses any global MoC does not write there (:mod:`~moc_lightning.storage.unpickling`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 import torch
 
+from moc_lightning.storage.unpickling import load_torch_saved
+
 
 def encode_state(state: Any) -> str:
     """A picklable object as text for a slot's JSON metadata."""
@@ -20,4 +23,6 @@ def encode_state(state: Any) -> str:
 
 
 def decode_state(text: str) -> Any:
-    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+    """The trainer state :func:`encode_state` wrote; :class:`~moc_lightning.storage.unpickling.UntrustedPickle` if
+    the text names a global it would not have written."""
+    return load_torch_saved(io.BytesIO(base64.b64decode(text)), "the trainer state")

@@ -179,7 +179,8 @@ class Loader:
             raise UnreadableCheckpoint(name, str(err)) from err
         wanted: dict[str, Any] = {key: None} if key in metadata.state_dict_metadata else {}
         try:
-            dcp.load(wanted, storage_reader=self._storage.reader(name), process_group=self._group)
+            reader = self._storage.reader(name)
+            dcp.load(wanted, storage_reader=reader, planner=ListedKeysPlanner(name), process_group=self._group)
         except CheckpointException as err:
             corrupt = corrupt_from(err)
             if corrupt is None:

@@ -19,7 +19,6 @@ first window a capture touches no new page.
 
 from __future__ import annotations
 
-import _pickle
 import io
 import mmap
 import os
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from moc_lightning.memory.snapshot import ALIGN, SlotEntry, allocate, map_file, view_of
+from moc_lightning.storage.unpickling import load_torch_saved
 
 WINDOW_SLOTS = 2
 """Slots per rank: the newest complete window, and the one being captured."""
@@ -172,10 +172,9 @@ def read_buffer(data: bytes | mmap.mmap) -> dict[str, Any]:
     offset, length, magic = FOOTER.unpack(view[-FOOTER.size :])
     if magic != MAGIC or offset + length + FOOTER.size != len(view):
         raise ValueError(f"not a replay window file (footer {magic!r}, tail at {offset}+{length} of {len(view)} bytes)")
-    # not weights only: batches and RNG states; the caller checks that this run's lineage wrote it. C's unpickler,
-    # not pickle.Unpickler: Lightning swaps in a pure-Python one while it loads a ckpt_path (pl_legacy_patch), where a
-    # resume opens its window, and it read the tail 2-4x slower (a restore's speed of light, issue 14 item 7)
-    tail = torch.load(io.BytesIO(view[offset : offset + length]), weights_only=False, pickle_module=_pickle)
+    # untrusted input (shared memory or storage): torch's weights-only unpickler, allowing the one class of MoC's a
+    # tail holds besides tensors, containers and NumPy's RNG state
+    tail = load_torch_saved(io.BytesIO(view[offset : offset + length]), "the replay window's tail", allowed=[Region])
     with warnings.catch_warnings():  # a read-only mapping: the views are only ever copied from
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return _viewed(tail, data, offset)

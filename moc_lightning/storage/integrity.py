@@ -14,11 +14,13 @@ pickle's end, so DCP's own reader still reads it.
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections import deque
 from typing import TypeVar
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from moc_lightning.storage.sealed import checksum
+from moc_lightning.storage.unpickling import UntrustedPickle, load_dcp_metadata, load_torch_saved
 
 METADATA_NAME = ".metadata"
 """DCP's name for the object whose presence makes a location a finished checkpoint (both backends)."""
@@ -100,7 +103,9 @@ def load_metadata(checkpoint: str, data: bytes | None, load_id: str) -> Metadata
         raise CorruptCheckpointError(checkpoint, detail)
     body = verified(checkpoint, METADATA_NAME, data[:-tail], len(data) - tail, int.from_bytes(data[-4:], "big"))
     try:
-        metadata = pickle.loads(body)
+        metadata = load_dcp_metadata(body, METADATA_NAME)
+    except UntrustedPickle as err:  # written so on purpose: the checksum matched
+        raise CorruptCheckpointError(checkpoint, str(err)) from None
     except Exception as err:  # only if written so: the checksum matched
         raise CorruptCheckpointError(checkpoint, f"{METADATA_NAME} cannot be unpickled: {err!r}") from err
     if not isinstance(metadata, Metadata):
@@ -111,11 +116,13 @@ def load_metadata(checkpoint: str, data: bytes | None, load_id: str) -> Metadata
 
 
 class ListedKeysPlanner(DefaultLoadPlanner):
-    """DCP's load planner, except that a key the caller asks for and the checkpoint lacks is damage.
+    """DCP's load planner, except that a key the caller asks for and the checkpoint lacks is damage, and that a
+    bytes item is unpickled as untrusted input.
 
     The engine asks a checkpoint only for units its manifest record says it holds, so a missing key means
     the checkpoint is not what was committed: :class:`CorruptCheckpointError` (DCP would raise a plain
-    ``RuntimeError``, which recovery cannot tell from a bug).
+    ``RuntimeError``, which recovery cannot tell from a bug). DCP's own ``load_bytes`` is a full ``torch.load``; here
+    an item naming a global MoC does not write (:mod:`~moc_lightning.storage.unpickling`) is damage too.
     """
 
     def __init__(self, checkpoint: str) -> None:
@@ -130,6 +137,17 @@ class ListedKeysPlanner(DefaultLoadPlanner):
             detail = f"it lacks keys {missing[:3]} ({len(missing)} in all) of units the manifest says it holds"
             raise CorruptCheckpointError(self.checkpoint, detail)
         return super().create_local_plan()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        try:
+            loaded = load_torch_saved(value, f"item {key!r}")
+        except UntrustedPickle as err:
+            raise CorruptCheckpointError(self.checkpoint, str(err)) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[key], loaded)
+        else:
+            self.state_dict[key] = loaded
 
 
 def find_cause(exc: BaseException, kind: type[E]) -> E | None:
