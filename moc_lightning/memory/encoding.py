@@ -22,7 +22,7 @@ def encode_state(state: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def decode_state(text: str) -> Any:
-    """The trainer state :func:`encode_state` wrote; :class:`~moc_lightning.storage.unpickling.UntrustedPickle` if
-    the text names a global it would not have written."""
-    return load_torch_saved(io.BytesIO(base64.b64decode(text)), "the trainer state")
+def decode_state(text: str, what: str = "the trainer state") -> Any:
+    """The trainer state :func:`encode_state` wrote; :class:`~moc_lightning.storage.unpickling.UntrustedPickle`,
+    naming ``what``, if the text names a global it would not have written."""
+    return load_torch_saved(io.BytesIO(base64.b64decode(text)), what)

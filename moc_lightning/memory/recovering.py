@@ -187,12 +187,13 @@ class Recovery:
             from_storage = self._pec.loader.read_rank_state(persisted)  # collective
             own = own if own is not None else from_storage
         if own is not None:
-            return engine, _decode_optional(own), self._rank
+            what = f"rank {self._rank}'s trainer state of step {plan.resume_step}"
+            return engine, _decode_optional(own, what), self._rank
         stand_in = holder if holder is not None else 0
         print(f"[moc_lightning] rank {self._rank}: its own training state of step {plan.resume_step} is lost (its "
               f"node's snapshot is gone and the step was not persisted for it); using rank {stand_in}'s loops, "
               "data position and callback state, with RNG streams derived from this rank and the step")
-        return engine, _decode_optional(shared), stand_in
+        return engine, _decode_optional(shared, f"rank {stand_in}'s trainer state of step {plan.resume_step}"), stand_in
 
     def _describe_sources(
         self, plan: RecoveryPlan, donors: Mapping[str, Mapping[int, int]]
@@ -275,5 +276,5 @@ def _any_rank(flag: bool) -> bool:
     return bool(mark.item())
 
 
-def _decode_optional(text: str | None) -> dict | None:
-    return decode_state(text) if text else None
+def _decode_optional(text: str | None, what: str) -> dict | None:
+    return decode_state(text, what) if text else None
