@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 # One intra-op thread per process, here and in every process a test starts (they inherit the environment):
 # the reference machine has 2 cores, shared by two pytest workers (`make test` runs `pytest -n 2`), the
@@ -15,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import xdist  # noqa: E402
 from quick_bench import BenchRun, run_quick_bench  # noqa: E402
+from s3_server import S3Server, running_s3_server  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
@@ -41,6 +43,13 @@ def _release(version: str) -> tuple[int, ...]:
 def quick_bench(tmp_path_factory: pytest.TempPathFactory) -> BenchRun:
     """The quick benchmark, run once per session: the bench test checks it, the notebook test plots it."""
     return run_quick_bench(tmp_path_factory.mktemp("quick_bench"))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A live S3-protocol server (moto) for this test process, with the AWS environment pointed at it."""
+    with running_s3_server() as server:
+        yield server
 
 
 @pytest.fixture

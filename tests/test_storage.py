@@ -54,10 +54,14 @@ def _url(tmp_path: Path, form: str) -> str:
     return root.as_uri() if form == "file_url" else str(root)
 
 
-@pytest.fixture(params=[*LOCAL_ROOTS, ("tensorstore", "memory")], ids=lambda p: "-".join(p))
+@pytest.fixture(params=[*LOCAL_ROOTS, ("tensorstore", "memory"), ("tensorstore", "s3")], ids=lambda p: "-".join(p))
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStorage:
-    """Every backend on a local root, and the tensorstore backend on a non-file kvstore (``memory://``)."""
+    """Every backend on a local root, and the tensorstore backend on non-file kvstores: ``memory://``, and ``s3://``
+    on a live S3-protocol server (``s3_server``)."""
     backend, form = request.param
+    if form == "s3":
+        bucket = request.getfixturevalue("s3_server").new_bucket()
+        return make_storage(backend, f"s3://{bucket}/run 1/ckpt")
     return make_storage(backend, "memory://ckpt" if form == "memory" else _url(tmp_path, form))
 
 

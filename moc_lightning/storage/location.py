@@ -3,17 +3,31 @@
 Both backends accept a plain path or a ``file://`` URL for local (or shared, mounted) file systems; only
 ``tensorstore`` accepts other schemes (``gs://``, ``s3://``, ...). Errors name the option, since a bad
 URL is a configuration mistake the user fixes in Hydra.
+
+``s3://bucket/path`` is S3 or any S3-compatible store (MinIO, Ceph, R2, ...): the endpoint, region and credentials
+come from the standard AWS environment, as boto3 and the AWS CLI read it (:func:`s3_spec`). TensorStore's own
+``s3://`` URL form ignores ``AWS_ENDPOINT_URL``, and where the endpoint does not answer its open waits forever, so
+the endpoint is asked once, with a bounded wait, before the first open (:func:`check_endpoint`).
 """
 
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 import tensorstore as ts
 
 URL_OPTION = "checkpoint.storage.url"
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""Where an S3-compatible store's endpoint is named, most specific first (the AWS SDKs' order)."""
+REGION_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION")
+DEFAULT_REGION = "us-east-1"
+ENDPOINT_TIMEOUT_S = 10.0
+"""How long :func:`check_endpoint` waits for the endpoint's answer before it fails."""
 
 
 def local_path(url: str) -> Path | None:
@@ -50,8 +64,9 @@ def open_local_dir(url: str) -> Path:
     return path
 
 
-def kvstore_spec(url: str) -> str | dict[str, str]:
-    """The TensorStore kvstore spec for a storage root: a ``file`` spec for local paths, else the URL itself.
+def kvstore_spec(url: str) -> str | dict[str, Any]:
+    """The TensorStore kvstore spec for a storage root: a ``file`` spec for local paths, an ``s3`` spec for
+    ``s3://`` (:func:`s3_spec`), else the URL itself.
 
     Local paths become a JSON spec rather than a ``file://`` URL so that characters TensorStore would
     percent-decode (``%``, spaces) stay as they are. The trailing ``/`` makes keys children of the root.
@@ -59,11 +74,91 @@ def kvstore_spec(url: str) -> str | dict[str, str]:
     path = local_path(url)
     if path is not None:
         return {"driver": "file", "path": f"{path}/"}
+    if urlparse(url).scheme == "s3":
+        return s3_spec(url)
     return url if url.endswith("/") else f"{url}/"
+
+
+def s3_spec(url: str) -> dict[str, Any]:
+    """The ``s3`` kvstore spec of ``s3://bucket/path``: the endpoint from ``AWS_ENDPOINT_URL_S3`` or
+    ``AWS_ENDPOINT_URL`` (none: AWS itself), the region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, the credentials
+    from TensorStore's default AWS chain (the environment's keys, then the shared files and profile). No secret is
+    in the spec, so it may be logged."""
+    parsed = urlparse(url)
+    if not parsed.netloc:
+        raise ValueError(f"{URL_OPTION}={url!r} names no bucket; give s3://BUCKET/path")
+    path = parsed.path.lstrip("/")
+    spec: dict[str, Any] = {
+        "driver": "s3",
+        "bucket": parsed.netloc,
+        "path": path if not path or path.endswith("/") else f"{path}/",
+        "aws_region": _first_set(REGION_VARIABLES) or DEFAULT_REGION,
+    }
+    endpoint = s3_endpoint()
+    if endpoint is not None:
+        spec["endpoint"] = endpoint
+    return spec
+
+
+def s3_endpoint() -> str | None:
+    """The S3-compatible endpoint the environment names, checked to be an ``http(s)://host[:port]`` URL; ``None``
+    for AWS itself."""
+    endpoint = _first_set(ENDPOINT_VARIABLES)
+    if endpoint is None:
+        return None
+    parsed = urlparse(endpoint)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        variable = next(v for v in ENDPOINT_VARIABLES if os.environ.get(v))
+        raise ValueError(f"{variable}={endpoint!r} is not an endpoint; give http(s)://host[:port]")
+    return endpoint.rstrip("/")
+
+
+def check_endpoint(url: str, timeout_s: float = ENDPOINT_TIMEOUT_S) -> None:
+    """For an ``s3://`` root, ask the endpoint for the bucket once and wait at most ``timeout_s``: any HTTP answer
+    (even 403 or 404: TensorStore reports those itself, naming the object) shows a live store; no answer is one
+    error naming the endpoint and where it came from, where TensorStore's open would wait forever."""
+    if urlparse(url).scheme != "s3":
+        return
+    spec = s3_spec(url)
+    endpoint = spec.get("endpoint") or f"https://s3.{spec['aws_region']}.amazonaws.com"
+    if (endpoint, spec["bucket"]) in _ANSWERED:
+        return  # every reader and writer opens the root again: ask once per process
+    request = urllib.request.Request(f"{endpoint}/{spec['bucket']}", method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=timeout_s).close()
+        _ANSWERED.add((endpoint, spec["bucket"]))
+    except urllib.error.HTTPError:
+        _ANSWERED.add((endpoint, spec["bucket"]))  # it answered
+    except (OSError, ValueError) as err:
+        source = next((v for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
+        named = f"{source}={endpoint}" if source else f"{endpoint} (AWS; set AWS_ENDPOINT_URL for another S3 store)"
+        reason = getattr(err, "reason", err)
+        raise ValueError(
+            f"{URL_OPTION}={url!r}: the S3 endpoint {named} did not answer within {timeout_s:g} s ({reason})"
+        ) from None
+
+
+def kvstore_url(kvstore: ts.KvStore) -> str:
+    """The URL of an open kvstore, for messages and DCP's checkpoint id. TensorStore has none for an ``s3`` spec with
+    an endpoint: ``s3://bucket/path`` then, which :func:`kvstore_spec` turns back into the same spec."""
+    try:
+        return kvstore.url
+    except NotImplementedError:
+        spec = kvstore.spec().to_json()
+        return f"s3://{spec['bucket']}/{spec.get('path', '')}"
+
+
+_ANSWERED: set[tuple[str, str]] = set()
+"""The ``(endpoint, bucket)`` pairs that answered :func:`check_endpoint` in this process."""
+
+
+def _first_set(variables: tuple[str, ...]) -> str | None:
+    return next((os.environ[v] for v in variables if os.environ.get(v)), None)
 
 
 def open_kvstore(url: str, context: ts.Context) -> ts.KvStore:
     """Open the kvstore ``url`` names (``file://``, ``gs://``, ``s3://``, ``memory://``, ...)."""
+    check_endpoint(url)
     try:
         return ts.KvStore.open(kvstore_spec(url), context=context).result()
     except ValueError as err:

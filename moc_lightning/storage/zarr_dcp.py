@@ -64,7 +64,7 @@ from moc_lightning.storage.integrity import (
     metadata_bytes,
     verified,
 )
-from moc_lightning.storage.location import kvstore_spec, open_kvstore
+from moc_lightning.storage.location import kvstore_spec, kvstore_url, open_kvstore
 from moc_lightning.storage.zarr_arrays import from_numpy, open_array, open_new_array, region, to_numpy
 
 BLOBS_PREFIX = ".bytes/"
@@ -134,6 +134,11 @@ class CheckpointLocation:
         self.kvstore = kvstore
         self.context = context
 
+    @property
+    def url(self) -> str:
+        """Where the checkpoint is, as a URL (:func:`~moc_lightning.storage.location.kvstore_url`)."""
+        return kvstore_url(self.kvstore)
+
     def move_to(self, checkpoint_id: str | os.PathLike | None) -> None:
         """Follow a ``checkpoint_id`` (a path or kvstore URL) given to ``dcp.save``/``dcp.load``, if any."""
         if checkpoint_id:
@@ -162,7 +167,7 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         self.save_id = uuid.uuid4().hex
 
     def storage_meta(self) -> StorageMeta:
-        return StorageMeta(checkpoint_id=self.kvstore.url, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Nothing to set up: the coordinator's extra work happens in the global plan and ``finish``."""
@@ -259,7 +264,7 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's DCP metadata; a checkpoint without it was never finished and is refused."""
-        return load_metadata(self.kvstore.url, self._read_object(METADATA_NAME), self.load_id)
+        return load_metadata(self.url, self._read_object(METADATA_NAME), self.load_id)
 
     def _read_object(self, key: str) -> bytes | None:
         """The bytes of object ``key``; ``None`` if it does not exist."""
@@ -287,7 +292,7 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
             started = (self._read_operation(item, stores) for item in tensor_reads)
             for item, read in in_flight(started, IN_FLIGHT_BYTES):  # reads change nothing: no need to settle
                 what = f"array {self.storage_data[item.storage_index].key}"
-                commit_piece(planner, item, from_numpy(read.result()), self.kvstore.url, what)
+                commit_piece(planner, item, from_numpy(read.result()), self.url, what)
         self._read_values([item for item in plan.items if item.type == LoadItemType.BYTE_IO], planner)
         return _completed(None)
 
@@ -300,7 +305,7 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
             message = str(err).split(" [tensorstore_spec=", 1)[0]  # drop the spec TensorStore appends
             if message.split(":", 1)[0] not in CORRUPTION_STATUSES:
                 raise
-            raise CorruptCheckpointError(self.kvstore.url, message) from err
+            raise CorruptCheckpointError(self.url, message) from err
 
     def _read_operation(
         self, item: ReadItem, stores: dict[str, ts.Future]
@@ -318,11 +323,11 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
                 blobs[ref.key] = self._read_blob(ref.key)
             what = f"value {item.storage_index.fqn!r} (bytes {ref.offset}..{ref.offset + ref.length} of {ref.key})"
             data = blobs[ref.key][ref.offset : ref.offset + ref.length]
-            planner.load_bytes(item, io.BytesIO(verified(self.kvstore.url, what, data, ref.length, ref.crc32c)))
+            planner.load_bytes(item, io.BytesIO(verified(self.url, what, data, ref.length, ref.crc32c)))
 
     def _read_blob(self, key: str) -> bytes:
         data = self._read_object(key)
         if data is None:
-            raise CorruptCheckpointError(self.kvstore.url, f"blob {key} is missing")
+            raise CorruptCheckpointError(self.url, f"blob {key} is missing")
         return data
 

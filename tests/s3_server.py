@@ -1,0 +1,84 @@
+"""A live S3-protocol server for the tests: moto's standalone server (``moto[server]``, in the ``dev`` extra) on
+127.0.0.1, started once per test process by the ``s3_server`` fixture of ``conftest.py``.
+
+TensorStore's ``s3`` driver talks to it over HTTP as it would to AWS, MinIO or Ceph; the fixture points the standard
+AWS environment at it (``AWS_ENDPOINT_URL``, test credentials, the region), which the code under test and every
+process a test starts read, as a user's job would.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import boto3
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "moc-test-key", "AWS_SECRET_ACCESS_KEY": "moc-test-secret-7f3a", "AWS_REGION": "us-east-1"}
+"""Test credentials: moto takes any; the secret is distinctive so that a test can look for it where it must not be."""
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """The running server: its endpoint, and fresh buckets on it."""
+
+    endpoint: str
+
+    def new_bucket(self) -> str:
+        """A new empty bucket's name (one per test, so tests never see each other's objects)."""
+        name = f"moc-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint, region_name=CREDENTIALS["AWS_REGION"]).create_bucket(Bucket=name)
+        return name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_s3_server(timeout_s: float = 60.0) -> Iterator[S3Server]:
+    """moto's server on a free port of 127.0.0.1 with the AWS environment pointed at it, until the block ends."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
+    try:
+        _wait_until_it_answers(endpoint, server, timeout_s)
+        os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+        yield S3Server(endpoint)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _wait_until_it_answers(endpoint: str, server: subprocess.Popen[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"moto's S3 server exited with {server.returncode}: {server.stderr.read()[-2000:]}")
+        try:
+            urllib.request.urlopen(endpoint, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"moto's S3 server at {endpoint} did not answer within {timeout_s} s")
