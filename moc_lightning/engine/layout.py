@@ -424,6 +424,7 @@ class Layout:
             for name, owned in partial.items():
                 buffer = self.buffers[name]
                 for theirs in everyone:
+                    assert theirs is not None  # all_gather_object filled every rank's entry
                     for e, value in theirs[name].items():
                         if e not in owned:
                             buffer[e].copy_(value)
@@ -726,12 +727,12 @@ def build_layout(
     slots: dict[Unit, list[ParamSlot]] = {}
     for name, param in params.items():
         if (m := matches.get(name)) is None:
-            unit: Unit = DenseUnit(_dense_name(name, prefixes))
-            slots.setdefault(unit, []).append(ParamSlot(name, name[len(unit.name) :].lstrip(".") or name))
+            dense = DenseUnit(_dense_name(name, prefixes))
+            slots.setdefault(dense, []).append(ParamSlot(name, name[len(dense.name) :].lstrip(".") or name))
             continue
         offset = _offset(expert_offset, m.layer_prefix)
         for local_id, index in _placements(name, param, m, views.get(name)):
-            unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
+            unit: Unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
             slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index, view=views.get(name)))
 
     whole = {  # a stacked DTensor's shape counts every expert of its layer, wherever they are held
@@ -827,7 +828,7 @@ def _buffer_slots(
         per_expert = layer is not None and (claimed or (holder == layer.prefix and _differs_per_rank(buffer, layer)))
     if claimed:
         _check_claim(name, buffer, layer, moe_layers)
-    if per_expert:
+    if per_expert and layer is not None:  # per_expert is only ever True with a layer
         whole = buffer.shape[0] == layer.num_experts  # entry e is expert e's; else the local experts' in order
         return [
             (ExpertUnit(layer.index, e), ParamSlot(name, leaf, index=e if whole else i, buffer=True))
@@ -886,7 +887,7 @@ def _claimed(buffers: Iterable[str], expert_buffers: Sequence[str]) -> set[str]:
 
 def _placements(
     name: str, param: nn.Parameter, m: _Match, view: tuple[int, ...] | None
-) -> list[tuple[int, int | None]]:
+) -> Sequence[tuple[int, int | None]]:
     """``(local expert id, slice index)`` of each expert holding a part of expert parameter ``name``."""
     if m.local_index is not None:
         return [(m.local_index, None)]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -98,7 +98,7 @@ class ModuleReported:
         return {}
 
     def take(self) -> Sequence[Any]:
-        return self.module.moe_layers()
+        return _moe_layers(self.module)
 
     def close(self) -> None:
         pass
@@ -137,6 +137,7 @@ class RouterTap:
             if hook_on is None:
                 self._unknown[layer.prefix] = why
             else:
+                assert hook is not None  # _hook_for returns a hook with every module it names
                 self._handles.append(hook_on.register_forward_hook(hook))
 
     @property
@@ -185,7 +186,8 @@ def _hook_for(
 def _reported_hook(counter: _Counter) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if _counts_now(module):
-            counter.add(module.tokens_per_expert, module.tokens_assigned)
+            reported = cast(RouterCounts, module)  # hooked only on a layer that _reports its counts
+            counter.add(reported.tokens_per_expert, reported.tokens_assigned)
 
     return hook
 
@@ -285,10 +287,16 @@ def token_source(module: nn.Module, layout: Layout) -> TokenSource:
     """The module's ``moe_layers()`` when it returns layers that report their counts (``tokens_per_expert`` and
     ``tokens_assigned``), else hooks on its layers and routers (a ``moe_layers()`` that returns, say, the
     Hugging Face MoE blocks is no source of counts, so the hooks count for it)."""
-    layers = module.moe_layers() if hasattr(module, "moe_layers") else None
+    layers = _moe_layers(module) if hasattr(module, "moe_layers") else None
     if layers and all(_reports(layer) for layer in layers):
         return ModuleReported(module)
     return RouterTap(module, layout)
+
+
+def _moe_layers(module: nn.Module) -> Sequence[Any]:
+    """The module's own ``moe_layers()``: a method of the user's module, which ``nn.Module``'s typed ``__getattr__``
+    (parameters, buffers, submodules) cannot describe."""
+    return cast(Callable[[], Sequence[Any]], module.moe_layers)()
 
 
 def _reports(layer: Any) -> bool:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast, overload
 
 import lightning as L
 from hydra.core.config_store import ConfigStore
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import _PLUGIN_INPUT
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
@@ -156,7 +158,15 @@ def register_configs() -> None:
 Config = TypeVar("Config", bound=RecipeConfig)
 
 
-def to_train_config(cfg: DictConfig, schema: type[Config] = TrainConfig) -> Config:
+@overload
+def to_train_config(cfg: DictConfig) -> TrainConfig: ...
+
+
+@overload
+def to_train_config(cfg: DictConfig, schema: type[Config]) -> Config: ...
+
+
+def to_train_config(cfg: DictConfig, schema: type[RecipeConfig] = TrainConfig) -> RecipeConfig:
     """Turn a composed Hydra config into objects of ``schema``, running every ``__post_init__`` check.
 
     The config is merged into a fresh schema first: Hydra's ``+key=value`` appends keys even to typed
@@ -184,7 +194,7 @@ def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callbac
         strategy = DDPStrategy(process_group_backend=t.process_group_backend)
     # On SLURM, requeue is submitit's and resume is MoC's: Lightning's own auto-requeue would save a rank-0
     # ``hpc_ckpt`` (missing other ranks' experts) and restore it on top of the MoC recovery.
-    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+    plugins: list[_PLUGIN_INPUT] = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
     callbacks = list(callbacks or [])
     if t.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
         # max_steps bounds the run, so Lightning sets max_epochs=-1, which Lightning 2.6's default bar where
@@ -195,7 +205,7 @@ def build_trainer(cfg: RecipeConfig, output_dir: Path, callbacks: list[L.Callbac
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=strategy,
-        precision=t.precision,
+        precision=cast(_PRECISION_INPUT, t.precision),  # a config str (no Literal in OmegaConf); Lightning checks it
         max_steps=t.max_steps,
         val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None,
@@ -229,6 +239,7 @@ def fit(cfg: RecipeConfig, module: L.LightningModule, data: L.LightningDataModul
     trainer = build_trainer(cfg, output_dir, [moc] if moc else [])
     trainer.fit(module, datamodule=data, ckpt_path=moc.resume_target(output_dir) if moc else None)
     if trainer.is_global_zero:
+        assert isinstance(trainer.logger, CSVLogger)  # build_trainer's, whose log_dir is always set
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
         print(f"[moc_lightning] finished {trainer.global_step} steps; final metrics: {metrics}")
         print(f"[moc_lightning] logs: {Path(trainer.logger.log_dir) / 'metrics.csv'}")

@@ -86,7 +86,7 @@ class HFCausalLMModule(CausalLMModule):
 
     def __init__(self, model: PreTrainedModel, optim: OptimConfig | None = None, data_parallel: str = "ddp") -> None:
         super().__init__(optim, data_parallel)
-        self.model = model
+        self.model: PreTrainedModel = model
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits

@@ -67,6 +67,17 @@ class GPTMoEModule(CausalLMModule):
         """Whether FSDP2 shards the model (``fsdp2``, ``hsdp``) rather than DDP replicating it."""
         return self.data_parallel in SHARDED_DATA_PARALLEL
 
+    def _built(self) -> GPTMoE:
+        """The model, which ``configure_model`` builds once the process group exists. Before then an AttributeError,
+        as reading the attributes of ``None`` raised, so that ``getattr(module, "expert_topology", None)`` still
+        falls back to a replicated topology."""
+        if self.model is None:
+            raise AttributeError(
+                "GPTMoEModule.model is not built yet: Lightning builds it in configure_model, once the process group "
+                "exists"
+            )
+        return self.model
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
@@ -90,28 +101,28 @@ class GPTMoEModule(CausalLMModule):
         if self.data_parallel == "hsdp":
             shard_size = self.hsdp_shard_size or self.trainer.num_devices
         dense, experts = data_parallel_meshes(topology.world_size, shard_size, topology.ep, self.device_mesh.device_type)
-        shard_gpt_moe(self.model, dense, experts, mixed_precision_policy(self.trainer.precision))
+        shard_gpt_moe(self._built(), dense, experts, mixed_precision_policy(self.trainer.precision))
 
     @property
     def expert_topology(self) -> ExpertParallelTopology:
         """Where this rank sits in the expert-parallel layout (read by ``MoCCheckpoint``)."""
-        return self.model.topology
+        return self._built().topology
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers whose routers report token counts (read by ``MoCCheckpoint`` for the ledger)."""
-        return self.model.moe_layers()
+        return self._built().moe_layers()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)[0]
+        return self._built()(idx)[0]
 
     def losses(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
-        _, lm_loss, aux = self.model(x, y)
+        _, lm_loss, aux = self._built()(x, y)
         return lm_loss, lm_loss + self.model_config.aux_loss_coef * aux
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.sharded:  # FSDP has reduced the experts' gradients over their replicas
-            self.model.reduce_expert_gradients()
+            self._built().reduce_expert_gradients()
 
     def configure_gradient_clipping(
         self,
@@ -129,14 +140,16 @@ class GPTMoEModule(CausalLMModule):
         if gradient_clip_algorithm == "value":
             self.clip_gradients(optimizer, gradient_clip_val, "value")
             return
-        dense, expert = [], []
-        for name, p in self.model.named_parameters():
+        model = self._built()
+        dense: list[torch.Tensor] = []
+        expert: list[torch.Tensor] = []
+        for name, p in model.named_parameters():
             if p.grad is not None:
                 (expert if ".experts." in name else dense).append(p.grad)
         squares = _sum_of_squares(dense)
         expert_sq = _sum_of_squares(expert) if expert else squares.new_zeros(())
-        if self.model.topology.ep_group is not None:
-            torch.distributed.all_reduce(expert_sq, group=self.model.topology.ep_group)
+        if model.topology.ep_group is not None:
+            torch.distributed.all_reduce(expert_sq, group=model.topology.ep_group)
         total_norm = (squares + expert_sq).sqrt()
         scale = (gradient_clip_val / (total_norm + 1e-6)).clamp(max=1.0)
         for g in dense + expert:
@@ -153,11 +166,11 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     on (once per group of ranks, not per tensor), its replicas counted once."""
     local: dict[tuple[torch.distributed.ProcessGroup, ...], list[torch.Tensor]] = {}
     for g in grads:
-        groups = ()
+        groups: tuple[torch.distributed.ProcessGroup, ...] = ()
         if isinstance(g, DTensor):
             groups = tuple(g.device_mesh.get_group(dim) for dim, p in enumerate(g.placements) if p.is_shard())
         local.setdefault(groups, []).append(_local(g).pow(2).sum())
-    totals = []
+    totals: list[torch.Tensor] = []
     for groups, squares in local.items():
         total = torch.stack(squares).sum()
         for group in groups:

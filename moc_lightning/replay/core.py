@@ -189,6 +189,13 @@ class WindowRecord:
             raise ValueError(f"schedule offsets must lie in [0, window={self.window}); got up to {last}")
 
     @property
+    def span(self) -> int:
+        """W, the iterations of the window: :attr:`window`, typed for its readers now that ``__post_init__`` has
+        filled it in."""
+        assert self.window is not None  # __post_init__ sets it
+        return self.window
+
+    @property
     def captured(self) -> int:
         """Offsets captured so far in this window."""
         return len(self.logged)
@@ -212,7 +219,7 @@ class WindowRecord:
             self.full.clear()
             self.logged.clear()
         if t != self.captured:
-            raise ValueError(f"replay captures go 0, 1, ..., {self.window - 1} in order; got offset {t} after "
+            raise ValueError(f"replay captures go 0, 1, ..., {self.span - 1} in order; got offset {t} after "
                              f"{self.captured} captured")
         copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for unit in (u for u, tu in self.schedule.items() if tu == t):
@@ -263,6 +270,8 @@ class Replay:
                              "iterations captured")
         if layout.optimizer is None:
             raise ValueError("replay steps the optimizer: build the layout with it")
+        self.optimizer: torch.optim.Optimizer = layout.optimizer
+        """The layout's optimizer (a frozen layout's, so always this one), which the replay steps."""
         if set(record.schedule) != set(layout.units):
             differ = sorted(set(record.schedule) ^ set(layout.units))
             raise ValueError(f"the window's units differ from the layout's: {[u.key for u in differ[:5]]}")
@@ -281,7 +290,7 @@ class Replay:
     @property
     def iterations(self) -> range:
         """Offsets to recompute: iteration 0 has nothing to train (see the module docstring)."""
-        return range(1, self.record.window)
+        return range(1, self.record.span)
 
     def before_forward(self, i: int) -> None:
         """Restore the units active at i-1, give the frozen ones the weights iteration i read, clear gradients."""
@@ -290,7 +299,7 @@ class Replay:
         self.layout.copy_in(self.record.logged[i - 1])
         self.layout.share_expert_entries()
         self.restore_seconds += time.perf_counter() - start
-        self.layout.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def before_optimizer_step(self, i: int) -> None:
         """Drop the gradients of parameters whose units are all frozen at i, so the optimizer skips them."""
@@ -300,9 +309,9 @@ class Replay:
 
     def finish(self) -> None:
         """Restore the units active at the window's last iteration: every unit is now at its state after it."""
-        self._restore(self._active(self.record.window - 1))
+        self._restore(self._active(self.record.span - 1))
         self.layout.share_expert_entries()
-        self.layout.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _active(self, t: int) -> list[Unit]:
         return [u for u, tu in self.record.schedule.items() if tu == t]
@@ -323,6 +332,6 @@ def replay(record: WindowRecord, layout: Layout, step_fn: Callable[[int], None])
         run.before_forward(i)
         step_fn(i)
         run.before_optimizer_step(i)
-        layout.optimizer.step()
+        run.optimizer.step()
     run.finish()
     return len(run.iterations)

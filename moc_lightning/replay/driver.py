@@ -182,7 +182,7 @@ class WindowLog:
 
     @property
     def end_step(self) -> int:
-        return self.start_step + self.record.window
+        return self.start_step + self.record.span
 
     def tail(self, lineage: Lineage | None) -> dict[str, Any]:
         """Everything of the window but its tensors' bytes (:mod:`moc_lightning.replay.window_file`): each tensor is named by
@@ -399,7 +399,13 @@ def _training_step(trainer: L.Trainer, iteration: Iteration) -> torch.Tensor:
     only the wrapped model's forward arms the backward's gradient all-reduce: module docstring)."""
     _set_rng_states(iteration.rng)
     output = trainer.strategy.training_step(iteration.batch, iteration.batch_idx)
-    return output["loss"] if isinstance(output, Mapping) else output
+    loss = output["loss"] if isinstance(output, Mapping) else output
+    if loss is None:
+        raise RuntimeError(
+            f"replay recomputes training_step for batch_idx={iteration.batch_idx}, and it returned no loss (a skipped "
+            "step); the replay needs the loss of every iteration of the window"
+        )
+    return loss
 
 
 def _rebuild_ddp_buckets(trainer: L.Trainer, run: Replay, log: WindowLog) -> None:
@@ -431,7 +437,10 @@ def _rebuild_ddp_buckets(trainer: L.Trainer, run: Replay, log: WindowLog) -> Non
 def _logging_off(module: L.LightningModule) -> Iterator[None]:
     """``self.log``/``log_dict`` do nothing while the replay runs: those iterations logged in the faulty run, and
     Lightning's result collection is not set up for a training step here."""
-    module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    def off(*args: Any, **kwargs: Any) -> None:
+        """Stands in for both: takes any arguments, logs nothing."""
+
+    module.log = module.log_dict = off  # type: ignore[method-assign]
     try:
         yield
     finally:

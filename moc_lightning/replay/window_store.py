@@ -155,7 +155,7 @@ class WindowHead:
     def of(cls, log: WindowLog, lineage: Lineage | None, length: int) -> WindowHead:
         """The head of ``log`` sealed into a window file of ``length`` bytes."""
         stamp = lineage.stamp() if lineage is not None else None
-        return cls(stamp, log.start_step, log.record.window, length, None)
+        return cls(stamp, log.start_step, log.record.span, length, None)
 
     def to_bytes(self) -> bytes:
         return seal(asdict(self))
@@ -170,7 +170,7 @@ class WindowHead:
         ):
             raise ValueError(f"a window head needs integers {', '.join(fields)} >= 0 (window >= 1) and a CRC32C or "
                              f"null, got {raw!r:.120}")
-        return cls(raw.get("lineage"), *(raw[name] for name in fields), raw["crc"])
+        return cls(raw.get("lineage"), raw["start_step"], raw["window"], raw["length"], raw["crc"])
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ class WindowStore:
         start = time.perf_counter()
         self._wait()
         fault_point("handover", log.end_step)
-        index = log.start_step // log.record.window
+        index = log.start_step // log.record.span
         self._job = self._worker.submit(self._seal_and_store, log, lineage, index, copied)
         self._job_slot = index % WINDOW_SLOTS
         self.stall_seconds.append(time.perf_counter() - start)
@@ -364,6 +364,7 @@ class WindowStore:
                 break
             if loaded is None:
                 candidates.remove(chosen)
+        assert loaded is not None  # the loop ends only once every rank, this one included, has loaded its copy
         _, log, seconds = loaded
         self._agree_on_restore(chosen if restore else None)
         return Restored(log, chosen.source, chosen.head.length, seconds)

@@ -19,7 +19,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ class DurableFileSystemWriter(FileSystemWriter):
         with open(Path(self.path, relative_path), "wb") as file:
             for item in plan.items:
                 data, dtype, shape = _raw(planner.resolve_data(item))
-                file.write(data)
+                file.write(data)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only on 3.12+
                 info = ChecksummedStorageInfo(
                     relative_path, offset, len(data), crc32c=checksum(data), dtype=dtype, shape=shape
                 )
@@ -127,7 +127,7 @@ class VerifyingFileSystemReader(FileSystemReader):
     so a damaged item never reaches the planner.
     """
 
-    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # FileSystemReader's signature
         path = Path(self._get_metadata_path(kwargs.get("rank")))
         try:
             data = path.read_bytes()

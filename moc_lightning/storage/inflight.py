@@ -8,7 +8,7 @@ second copy of a rank's whole share. ``in_flight`` keeps a byte-bounded window o
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Protocol, TypeVar
 
 C = TypeVar("C")
@@ -31,7 +31,9 @@ def settle(operations: Iterable[Pending]) -> None:
             pass
 
 
-def in_flight(operations: Iterable[tuple[int, Callable[[], tuple[C, P]]]], limit_bytes: int) -> Iterator[tuple[C, P]]:
+def in_flight(
+    operations: Iterable[tuple[int, Callable[[], tuple[C, P]]]], limit_bytes: int
+) -> Generator[tuple[C, P], None, None]:
     """Start ``(nbytes, start)`` operations in order and yield ``(context, pending)`` oldest first, to finish.
 
     A new operation starts only when it fits under ``limit_bytes`` beside those still unfinished (or

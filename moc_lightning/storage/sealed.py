@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 import google_crc32c
+import numpy as np
 
 FIELD = "crc32c"
 _TRAILER = re.compile(rb',"crc32c":"([0-9a-f]{8})"\}')
@@ -35,9 +36,11 @@ class SealError(ValueError):
     """
 
 
-def checksum(data: bytes, crc: int = 0) -> int:
+def checksum(data: bytes | np.ndarray, crc: int = 0) -> int:
     """The CRC32C of ``data``; given ``crc``, the CRC32C of some bytes, that of those bytes followed by ``data`` (a
-    large file is checksummed a chunk at a time)."""
+    large file is checksummed a chunk at a time). Besides ``bytes`` the extension reads a numpy array in place (a
+    tensor's bytes, :mod:`moc_lightning.storage.filesystem`), but no memoryview, bytearray or mapping
+    (:func:`checksum_view`)."""
     return google_crc32c.extend(crc, data)
 
 

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import tensorstore as ts
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -125,6 +127,13 @@ def _completed(value: T) -> Future[T]:
     future: Future[T] = Future()
     future.set_result(value)
     return future
+
+
+def _tensor_data(item: WriteItem) -> TensorWriteData:
+    """The chunk a tensor item writes: DCP leaves ``tensor_data`` unset only on a ``BYTE_IO`` item."""
+    if item.tensor_data is None:
+        raise ValueError(f"{item.index}: a {item.type.name} write item without tensor_data (its chunk and dtype)")
+    return item.tensor_data
 
 
 class CheckpointLocation:
@@ -206,24 +215,28 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         return results
 
     def _create_array(self, item: WriteItem) -> ts.Future:
-        tensor = item.tensor_data
+        tensor = _tensor_data(item)
         return open_new_array(self.kvstore, array_key(item.index), tuple(tensor.chunk.sizes), tensor.properties.dtype)
 
     def _write_operation(
         self, item: WriteItem, store: ts.Future, planner: SavePlanner
     ) -> tuple[int, Callable[[], tuple[WriteResult, ts.WriteFutures]]]:
         """The bytes of ``item`` and how to start writing it (``resolve_data`` waits until then: it may copy)."""
-        nbytes = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        tensor = _tensor_data(item)
+        nbytes = math.prod(tensor.chunk.sizes) * tensor.properties.dtype.itemsize
         return nbytes, functools.partial(self._start_write, item, store, planner)
 
     def _start_write(
         self, item: WriteItem, store: ts.Future, planner: SavePlanner
     ) -> tuple[WriteResult, ts.WriteFutures]:
-        array = to_numpy(planner.resolve_data(item))
-        if array.shape != tuple(item.tensor_data.chunk.sizes):
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise ValueError(f"{item.index}: the planner resolved a tensor item to {type(data).__name__}, not a tensor")
+        array = to_numpy(data)
+        sizes = tuple(_tensor_data(item).chunk.sizes)
+        if array.shape != sizes:
             raise ValueError(
-                f"{item.index}: the planner resolved data of shape {array.shape} for a chunk of sizes "
-                f"{tuple(item.tensor_data.chunk.sizes)}"
+                f"{item.index}: the planner resolved data of shape {array.shape} for a chunk of sizes {sizes}"
             )
         result = WriteResult(item.index, array.nbytes, ArrayRef(array_key(item.index)))
         return result, store.result().write(array)
@@ -234,7 +247,10 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         results = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item).getvalue()
+                value = planner.resolve_data(item)
+                if not isinstance(value, io.BytesIO):
+                    raise ValueError(f"{item.index}: the planner resolved a value to {type(value).__name__}, not bytes")
+                data = value.getvalue()
                 ref = BlobRef(plan.storage_data, blob.tell(), len(data), checksum(data))
                 results.append(WriteResult(item.index, len(data), ref))
                 blob.write(data)
@@ -319,6 +335,7 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
         blobs: dict[str, bytes] = {}
         for item in items:
             ref = self.storage_data[item.storage_index]
+            assert isinstance(ref, BlobRef)  # a value's storage data, as _write_values recorded it
             if ref.key not in blobs:
                 blobs[ref.key] = self._read_blob(ref.key)
             what = f"value {item.storage_index.fqn!r} (bytes {ref.offset}..{ref.offset + ref.length} of {ref.key})"

@@ -22,7 +22,6 @@ import ctypes
 import errno
 import functools
 import gc
-import itertools
 import math
 import mmap
 import os
@@ -33,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -61,10 +60,11 @@ from moc_lightning.engine.size_model import bytes_written, size_model
 from moc_lightning.jobs.training import TrainConfig, TrainerConfig, build_trainer
 from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.memory.copy_speed import copy_gbps
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
 from moc_lightning.models.lightning import GPTMoEModule
-from moc_lightning.replay.driver import WINDOW_PREFIX, ReplayReport
+from moc_lightning.replay.driver import WINDOW_PREFIX, ReplayReport, WindowCapture
 from moc_lightning.replay.window_file import read_file
 from moc_lightning.replay.window_store import STORAGE_COPIES, memory_head, window_object
 from moc_lightning.storage.objects import DIRECT_ALIGN
@@ -388,7 +388,7 @@ class Method(abc.ABC):
         """Seconds the training thread was blocked at each checkpoint step."""
         return [s for step, s in self.probe.blocking if step > 0 and step % self.every == 0]
 
-    def expected_bytes(self, trainer: L.Trainer) -> float | None:
+    def expected_bytes(self, trainer: L.Trainer) -> float:
         """Eq. 5: a full-state method checkpoints every parameter with its optimizer state."""
         return size_model(_layout(trainer)).c_full()
 
@@ -429,7 +429,7 @@ class LightningMethod(Method):
         step = _step_of(trainer)
         writer = TorchCheckpointIO()
         timed(writer, "save_checkpoint", self.probe.persist, step)
-        io = writer
+        io: CheckpointIO = writer
         if self.asynchronous:
             io = AsyncCheckpointIO(writer)
             timed(io, "save_checkpoint", self.probe.snapshot, step)
@@ -504,7 +504,7 @@ class DCPRestore(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model, optim = get_state_dict(pl_module, trainer.optimizers)  # templates, optimizer state initialised
-        state = {"model": model, "optim": optim}
+        state: dict[str, Any] = {"model": model, "optim": optim}
         dcp.load(state, checkpoint_id=self.checkpoint)
         set_model_state_dict(pl_module, state["model"])
         options = StateDictOptions(strict=not self.partitioned)
@@ -545,17 +545,37 @@ class MoCMethod(Method):
             complete_first_persist=False,  # PEC's steady state (eq. 6); the one complete persist: docs/user-guide.md
             **options,
         )
-        self.checkpoint = MoCCheckpoint(copy.deepcopy(self.config))
+        self.checkpoint: MoCCheckpoint | None = MoCCheckpoint(copy.deepcopy(self.config))
+        """The measured run's callback, until :meth:`release`."""
         self.resumed: MoCCheckpoint | None = None
         """The recovery run's callback."""
         self.notes = f"k_snapshot={self.config.k_snapshot}, k_persist={self.config.k_persist}"
 
+    def _measured(self) -> MoCCheckpoint:
+        """The measured run's callback: its figures are read before :meth:`release` drops it."""
+        if self.checkpoint is None:
+            raise RuntimeError(f"{self.name}: the measured run's MoCCheckpoint is read after release() dropped it")
+        return self.checkpoint
+
+    def _engine(self) -> TwoLevelCheckpointer:
+        """The measured run's engine, which its callback built when the fit started."""
+        engine = self._measured().engine
+        if engine is None:
+            raise RuntimeError(f"{self.name}: MoCCheckpoint builds its engine when a fit starts; the run has not")
+        return engine
+
+    def _resumed(self) -> MoCCheckpoint:
+        """The recovery run's callback, which :meth:`resume` made."""
+        if self.resumed is None:
+            raise RuntimeError(f"{self.name}: no recovery run yet (resume() makes its MoCCheckpoint)")
+        return self.resumed
+
     def callbacks(self) -> list[L.Callback]:
-        return [self.checkpoint]
+        return [self._measured()]
 
     def attach(self, trainer: L.Trainer) -> None:
         """Time the batch-end hook (it selects and, for host tensors, copies)."""
-        timed(self.checkpoint, "on_train_batch_end", self.probe.blocking, _step_of(trainer))
+        timed(self._measured(), "on_train_batch_end", self.probe.blocking, _step_of(trainer))
 
     def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
         self.resumed = MoCCheckpoint(copy.deepcopy(self.config))
@@ -563,28 +583,28 @@ class MoCMethod(Method):
 
     def stalls(self) -> list[float]:
         """The batch-end hook (selection and copy), plus waiting for the commit before the next optimizer step."""
-        waits = self.checkpoint.engine.stats.wait_seconds
+        waits = self._engine().stats.wait_seconds
         return [start + wait for start, wait in zip(super().stalls(), waits)]
 
     def checkpoints(self) -> list[Path]:
         return sorted((self.root / "ckpt").glob("step_*"))
 
-    def expected_bytes(self, trainer: L.Trainer) -> float | None:
+    def expected_bytes(self, trainer: L.Trainer) -> float:
         """Eq. 6 with this run's K (eq. 5 when K = N)."""
-        pec = self.checkpoint.engine.pec
+        pec = self._engine().pec
         return pec.size_model().c_pec(pec.dynamic_k.k_persist)
 
     def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
-        return self.checkpoint.engine.stats.snapshot_bytes
+        return self._engine().stats.snapshot_bytes
 
     def snapshot_seconds(self) -> list[float]:
         """Each copy into a slot, like the other methods' copies into memory (the commit of the slot's metadata
         that follows on the background thread is not part of it)."""
-        return self.checkpoint.engine.stats.copy_seconds
+        return self._engine().stats.copy_seconds
 
     def persist_seconds(self) -> list[float]:
         """Each persist from the start of its DCP save to its commit in the manifest."""
-        return [r.seconds for r in self.checkpoint.engine.stats.persist_reports]
+        return [r.seconds for r in self._engine().stats.persist_reports]
 
     def release(self) -> None:
         """The engine's layout views the trained model's weights and optimizer state."""
@@ -623,39 +643,49 @@ class ReplayMethod(MoCMethod):
 
     def attach(self, trainer: L.Trainer) -> None:
         super().attach(trainer)
-        self.checkpoint.on_train_start = self._time_window_writes(self.checkpoint.on_train_start, trainer)
+        checkpoint = self._measured()
+        timed_start = self._time_window_writes(checkpoint.on_train_start, trainer)
+        setattr(checkpoint, "on_train_start", timed_start)  # on this instance only, as timed() wraps a method
 
     def _time_window_writes(self, on_train_start: Callable[..., None], trainer: L.Trainer) -> Callable[..., None]:
         """Time the window writes once the callback's engine (and its storage) exists."""
 
         def wrapper(*args: Any, **kwargs: Any) -> None:
-            storage = self.checkpoint.engine.pec.storage
+            storage = self._engine().pec.storage
             timed(storage, "put_file", self.probe.persist, _step_of(trainer),
                   only=lambda name, source: name.startswith(WINDOW_PREFIX))  # a copy of the window's file in memory
             on_train_start(*args, **kwargs)
 
         return wrapper
 
+    def _capture(self) -> WindowCapture:
+        """The measured run's window captures, which its callback makes from the first iteration (W is given)."""
+        capture = self._measured().capture
+        if capture is None:
+            raise RuntimeError(f"{self.name}: the measured run made no window captures")
+        return capture
+
     def stalls(self) -> list[float]:
         """Every iteration's hook (the capture's buffers and its hand-off to the copy thread, and every W iterations
         the window's hand-over), plus waiting for that copy before the next optimizer step."""
-        waits = self.checkpoint.capture.wait_seconds
-        return [hook + wait for (_, hook), wait in itertools.zip_longest(self.probe.blocking, waits, fillvalue=0.0)]
+        waits = self._capture().wait_seconds
+        waits = waits + [0.0] * (len(self.probe.blocking) - len(waits))  # no wait (yet) after the last hooks: 0
+        return [hook + wait for (_, hook), wait in zip(self.probe.blocking, waits, strict=True)]
 
     def checkpoints(self) -> list[Path]:
         """The newest window this process wrote (one of the objects rank 0 alternates)."""
         written = [p for p in (self.root / "ckpt" / window_object(0, i) for i in range(STORAGE_COPIES)) if p.exists()]
         return [max(written, key=lambda p: p.stat().st_mtime_ns)] if written else []
 
-    def expected_bytes(self, trainer: L.Trainer) -> float | None:
+    def expected_bytes(self, trainer: L.Trainer) -> float:
         """A window's tensor bytes: what its W captures copied."""
-        return float(sum(self.checkpoint.capture.copied_bytes[-self.window:]))
+        return float(sum(self._capture().copied_bytes[-self.window:]))
 
     def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
-        return self.checkpoint.capture.copied_bytes
+        return self._capture().copied_bytes
 
     def snapshot_seconds(self) -> list[float]:
-        return self.checkpoint.capture.copy_seconds
+        return self._capture().copy_seconds
 
     def persist_seconds(self) -> list[float]:
         return [s for _, s in self.probe.persist]
@@ -670,14 +700,17 @@ class ReplayMethod(MoCMethod):
         state as the bound's."""
         row.recover_seconds = recover_seconds(cfg, self)
         (row.restore_memory_seconds, row.restore_memory_bytes, row.restore_memory_light_ratio,
-         row.replay_seconds) = restore_figures(self._replayed("memory"), base.copy_gbps)  # fmt: skip
-        for path in (p for slot in self.resumed.windows.slots for p in (slot.path, memory_head(slot.path))):
+         row.replay_seconds) = restore_figures(memory := self._replayed("memory"), base.copy_gbps)  # fmt: skip
+        windows = self._resumed().windows
+        if windows is None:
+            raise RuntimeError(f"{self.name}: the recovery run has no window store (checkpoint.mode=replay makes one)")
+        for path in (p for slot in windows.slots for p in (slot.path, memory_head(slot.path))):
             path.unlink(missing_ok=True)  # the node's shared memory is lost
         storage, rank = self.root / "ckpt", _rank()
         for path in (storage / window_object(rank, index) for index in range(STORAGE_COPIES)):
             if path.exists():
                 evict(path)
-        gbps = read_gbps(storage / f"read_speed_of_light.{rank}.bin", self.resumed.replay_report.restored_bytes)
+        gbps = read_gbps(storage / f"read_speed_of_light.{rank}.bin", memory.restored_bytes)
         row.read_gbps = round(-_slowest([-gbps])[0], 3)  # the slowest rank's bandwidth
         release_memory()
         row.recover_storage_seconds = recover_seconds(cfg, self)
@@ -686,7 +719,7 @@ class ReplayMethod(MoCMethod):
 
     def _replayed(self, source: str) -> ReplayReport:
         """The recovery run's report, which must have restored from ``source``."""
-        report = self.resumed.replay_report
+        report = self._resumed().replay_report
         if report is None or report.source != source:
             found = "no window" if report is None else f"the window from {report.source}"
             raise RuntimeError(f"{self.name}: the recovery meant to restore from {source} restored {found}")
@@ -813,7 +846,7 @@ def _nothing(trainer: L.Trainer) -> None:
 
 
 def _layout(trainer: L.Trainer) -> Layout:
-    module = trainer.lightning_module
+    module = cast(GPTMoEModule, trainer.lightning_module)  # the model every bench run trains (Fit)
     return build_layout(module, trainer.optimizers[0], num_experts=module.model_config.num_experts)
 
 

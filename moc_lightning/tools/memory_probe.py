@@ -48,6 +48,7 @@ from moc_lightning.data import LMDataModule
 from moc_lightning.engine.pieces import piece
 from moc_lightning.jobs.training import TrainConfig, build_trainer
 from moc_lightning.lightning.callback import MoCCheckpoint
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models.lightning import GPTMoEModule
 
 STATUS_FIELDS = ("RssAnon", "RssShmem", "RssFile", "VmRSS")
@@ -220,8 +221,16 @@ class MemoryProbe(L.Callback):
         self._snapshots_reaped = 0
         self._slot_bytes = 0
 
+    def _engine(self) -> TwoLevelCheckpointer:
+        """``moc``'s engine, which it builds when the fit starts, before any hook of this probe that reads it."""
+        if self.moc.engine is None:
+            raise RuntimeError(
+                "MemoryProbe reads MoCCheckpoint's engine, which a fit builds at its start; this hook ran before that"
+            )
+        return self.moc.engine
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = self.moc.engine
+        engine = self._engine()
         sampler = self.sampler
         wrap(engine.store, "fill", lambda: sampler.phase("snapshot_copy"))
         final = threading.Event()
@@ -243,7 +252,8 @@ class MemoryProbe(L.Callback):
                 self._snapshots_reaped += 1
                 sampler.leave("snapshot")
 
-        engine.snapshot, engine.wait_snapshot = take, reap
+        setattr(engine, "snapshot", take)  # on this instance only, as wrap() does
+        setattr(engine, "wait_snapshot", reap)
         sampler.start()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -252,13 +262,13 @@ class MemoryProbe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The slots' size, before ``moc`` removes them at fit end; later samples count as one step past the last."""
         self.sampler.step = trainer.global_step + 1
-        self._slot_bytes = sum(f.stat().st_size for f in Path(self.moc.engine.store.root).glob("*/data"))
+        self._slot_bytes = sum(f.stat().st_size for f in Path(self._engine().store.root).glob("*/data"))
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.report is not None:
             return
         self.sampler.stop()
-        engine = self.moc.engine
+        engine = self._engine()
         layout = engine.pec.layout
         held = {u: layout.unit_bytes(u, local=True) for u in layout.units}
         stats = engine.stats
@@ -336,7 +346,8 @@ def format_report(reports: list[dict[str, Any]], controls: list[dict[str, Any]] 
             )
         for phase, row in growth_rows(r, control).items():
             peak = r["phases"][phase]
-            if row["anon_growth"] is None:
+            growth, shmem = row["anon_growth"], row["shmem_growth"]
+            if growth is None or shmem is None:  # both None together: the phase took no sample
                 lines.append(f"[memory] rank {rank}: {phase}: no sample taken (not measured)")
                 continue
             rise = "" if row["anon_rise"] is None else (
@@ -345,8 +356,8 @@ def format_report(reports: list[dict[str, Any]], controls: list[dict[str, Any]] 
             lines.append(
                 f"[memory] rank {rank}: {phase} peak RssAnon {peak['RssAnon'] / mb:.1f} MB, "
                 f"RssShmem {peak['RssShmem'] / mb:.1f} MB ({peak['samples']} samples); "
-                f"anon_growth={row['anon_growth'] / mb:+.1f} MB anon_growth_pct={row['anon_growth_pct']:+.2f}% "
-                f"shmem_growth={row['shmem_growth'] / mb:+.1f} MB{rise}"
+                f"anon_growth={growth / mb:+.1f} MB anon_growth_pct={row['anon_growth_pct']:+.2f}% "
+                f"shmem_growth={shmem / mb:+.1f} MB{rise}"
             )
     return "\n".join(lines)
 
@@ -399,6 +410,8 @@ def run_report(cfg: MemoryReportConfig, output_dir: Path) -> list[dict[str, Any]
     probe = MemoryProbe(moc, cfg.sample_interval_ms / 1000)
     trainer = build_trainer(cfg, output_dir, [moc, probe])
     trainer.fit(module, datamodule=data)
+    if probe.report is None:
+        raise RuntimeError("MemoryProbe has no report: its teardown did not run at the end of the fit")
     reports = gather_reports(probe.report)
     if trainer.is_global_zero:
         controls = json.loads(Path(cfg.baseline_from).read_text())["reports"] if cfg.baseline_from else None

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -149,10 +149,20 @@ class Fault:
     @property
     def label(self) -> str:
         if self.kind == "kill":
-            return f"kill:{FaultPlan.parse(self.plan).phase}"
+            return f"kill:{FaultPlan.parse(_needed(self.plan, self, 'plan')).phase}"
         if self.kind == "damage":
             return f"damage:{self.target}:{self.op}"
         return self.kind
+
+
+T = TypeVar("T")
+
+
+def _needed(value: T | None, fault: Fault, name: str) -> T:
+    """``fault``'s field ``name`` (``value``), which its kind needs: the draws below always set it."""
+    if value is None:
+        raise ValueError(f"a {fault.kind} fault needs its {name}: {fault}")
+    return value
 
 
 def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
@@ -225,6 +235,8 @@ def damage(storage: Path, target: str, op: str, rng: random.Random, rank: int | 
     (``window``, ``head``); says what was done, or why not."""
     checkpoints = sorted(p for p in storage.glob("step_*") if p.is_dir())
     if target in WINDOW_DAMAGE_TARGETS:
+        if rank is None:
+            raise ValueError(f"damage of a replay {target} needs the rank whose newest stored window it is")
         windows = sorted(storage.glob(f"{WINDOW_PREFIX}rank{rank}.*{WINDOW_SUFFIX}"), key=lambda p: p.stat().st_mtime)
         if not windows:
             return f"rank {rank} has no stored replay window to damage ({target})"
@@ -402,9 +414,11 @@ def run_trial(
                 break  # a hang is the finding; restarting into more hangs would only burn the trial's time
             for f in faults:
                 if f.after == inc and f.kind == "node_loss":
-                    result.applied.append(lose_node(shm_root, f.node))
+                    result.applied.append(lose_node(shm_root, _needed(f.node, f, "node")))
                 elif f.after == inc and f.kind == "damage":
-                    result.applied.append(damage(work / "ckpt", f.target, f.op, rng, f.rank))
+                    result.applied.append(
+                        damage(work / "ckpt", _needed(f.target, f, "target"), _needed(f.op, f, "op"), rng, f.rank)
+                    )
         records = {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
         result.fired = [_fired(f, result.outcomes) for f in faults]
         began = "restored" if cfg.mode == "replay" else "start"  # replay mode: where the state after the replay is
