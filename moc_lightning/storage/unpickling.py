@@ -19,13 +19,12 @@ weights-only unpickler, in Python, read a tail of 960 regions in 94 ms against 3
 
 from __future__ import annotations
 
+import _pickle
 import io
-import pickle
 import types
 from collections.abc import Iterable
 from typing import IO, Any
 
-import numpy as np
 import torch
 
 Global = tuple[str, str]
@@ -76,10 +75,13 @@ class UntrustedPickle(ValueError):
         self.what = what
 
 
-def _restricted(allowed: frozenset[Global], what: str, hint: str) -> type[pickle.Unpickler]:
-    """C's unpickler, resolving only ``allowed`` and torch's dtypes; a refusal names ``what`` and adds ``hint``."""
+def _restricted(allowed: frozenset[Global], what: str, hint: str) -> type[_pickle.Unpickler]:
+    """C's unpickler, resolving only ``allowed`` and torch's dtypes; a refusal names ``what`` and adds ``hint``.
 
-    class Restricted(pickle.Unpickler):
+    ``_pickle``'s, not ``pickle.Unpickler``: Lightning swaps a pure-Python one in for the latter while it loads a
+    ``ckpt_path`` (``pl_legacy_patch``), where a replay resume reads its window."""
+
+    class Restricted(_pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
             dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
             if dtype or (module, name) in allowed:
