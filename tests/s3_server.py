@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -19,10 +20,13 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO
 
 import boto3
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "moc-test-key", "AWS_SECRET_ACCESS_KEY": "moc-test-secret-7f3a", "AWS_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "moc-test-key", "AWS_SECRET_ACCESS_KEY": "moc-test-secret-7f3a", "AWS_REGION": "us-east-1"
+}  # fmt: skip
 """Test credentials: moto takes any; the secret is distinctive so that a test can look for it where it must not be."""
 
 
@@ -49,19 +53,20 @@ def free_port() -> int:
 def running_s3_server(timeout_s: float = 60.0) -> Iterator[S3Server]:
     """moto's server on a free port of 127.0.0.1 with the AWS environment pointed at it, until the block ends."""
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: one request per line would fill it and block the server
     server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log, text=True
+    )
     endpoint = f"http://127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
     try:
-        _wait_until_it_answers(endpoint, server, timeout_s)
+        _wait_until_it_answers(endpoint, server, log, timeout_s)
         os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
         yield S3Server(endpoint)
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -69,11 +74,12 @@ def running_s3_server(timeout_s: float = 60.0) -> Iterator[S3Server]:
                 os.environ[key] = value
 
 
-def _wait_until_it_answers(endpoint: str, server: subprocess.Popen[str], timeout_s: float) -> None:
+def _wait_until_it_answers(endpoint: str, server: subprocess.Popen[str], log: IO[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"moto's S3 server exited with {server.returncode}: {server.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"moto's S3 server exited with {server.returncode}: {log.read()[-2000:]}")
         try:
             urllib.request.urlopen(endpoint, timeout=2).close()
             return

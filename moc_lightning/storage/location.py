@@ -113,12 +113,14 @@ def s3_endpoint() -> str | None:
     return endpoint.rstrip("/")
 
 
-def check_endpoint(url: str, timeout_s: float = ENDPOINT_TIMEOUT_S) -> None:
+def check_endpoint(url: str, timeout_s: float | None = None) -> None:
     """For an ``s3://`` root, ask the endpoint for the bucket once and wait at most ``timeout_s``: any HTTP answer
     (even 403 or 404: TensorStore reports those itself, naming the object) shows a live store; no answer is one
-    error naming the endpoint and where it came from, where TensorStore's open would wait forever."""
+    error naming the endpoint and where it came from, where TensorStore's open would wait forever. ``timeout_s``:
+    :data:`ENDPOINT_TIMEOUT_S` unless given."""
     if urlparse(url).scheme != "s3":
         return
+    timeout_s = ENDPOINT_TIMEOUT_S if timeout_s is None else timeout_s
     spec = s3_spec(url)
     endpoint = spec.get("endpoint") or f"https://s3.{spec['aws_region']}.amazonaws.com"
     if (endpoint, spec["bucket"]) in _ANSWERED:

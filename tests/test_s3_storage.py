@@ -1,0 +1,167 @@
+"""Checkpoints on ``s3://`` against a live S3-protocol server (moto, started by the ``s3_server`` fixture), as on a
+local directory: persists, a resume after the loss of the node (everything from the bucket), replay windows in the
+bucket, ``moc-consolidate`` reading it, ``resume=never`` refusing a bucket that holds another lineage; and the
+endpoint named by the standard AWS environment, with a bounded wait where it does not answer (issue 31, item 1).
+
+The run on the bucket is held to the same run on a local directory (same seed and options): the same recovery,
+bitwise, and the same PLT."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_run import DrainPersists, Recorder, check_sources, fit, fit_or_crash, moc_config
+from s3_server import CREDENTIALS, S3Server
+
+from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
+from moc_lightning.export.consolidate import main as consolidate
+from moc_lightning.storage import location, make_storage
+from moc_lightning.storage.location import s3_spec
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+CRASH, MAX_STEPS = 7, 8
+
+
+def _config(tmp_path: Path, url: str, **kw: object) -> CheckpointConfig:
+    """PEC, K=1 of 8 experts: snapshots every 2 steps, every second one persisted, on the tensorstore backend."""
+    config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=2, k_snapshot=2, k_persist=1, **kw)
+    return replace(config, storage=StorageConfig(backend="tensorstore", url=url))
+
+
+def _node_loss(tmp_path: Path, url: str) -> tuple[Recorder, Recorder, object]:
+    """Train, crash after step ``CRASH``, lose the node's shared memory, resume: everything comes from ``url``."""
+    tmp_path.mkdir(exist_ok=True)
+    first = Recorder(at=tuple(range(1, CRASH + 1)), crash_after=CRASH)
+    fit_or_crash(tmp_path, _config(tmp_path, url), MAX_STEPS, first, [DrainPersists()])
+    shutil.rmtree(tmp_path / "shm")
+    resumed = Recorder()
+    moc = fit_or_crash(tmp_path, _config(tmp_path, url), MAX_STEPS, resumed, [DrainPersists()])
+    return first, resumed, moc
+
+
+@pytest.mark.slow
+def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(s3_server: S3Server, tmp_path: Path) -> None:
+    """And ``moc-consolidate`` reads the bucket as it reads the directory; ``resume=never`` refuses the bucket."""
+    url = f"s3://{s3_server.new_bucket()}/run"
+    first, resumed, moc = _node_loss(tmp_path / "s3", url)
+    local_first, local_resumed, local_moc = _node_loss(tmp_path / "local", (tmp_path / "local" / "ckpt").as_uri())
+
+    report, local = moc.recovery, local_moc.recovery
+    assert {s["level"] for s in report.sources.values()} == {"storage"}, "the node's memory was lost"
+    assert report.resume_step == local.resume_step == 6, "step 6's persist (snapshots 2, 4, 6; every 2nd persisted)"
+    assert report.sources == local.sources and report.plt == local.plt, (report.plt, local.plt)
+    assert report.plt > 0, "PEC with K=1 loses the updates of the experts not in the last persist"
+    check_sources(first, resumed, report.sources)  # bitwise each unit's version of the step it reports
+    assert all(torch.equal(resumed.start[k], local_resumed.start[k]) for k in local_resumed.start)
+
+    out, local_out = tmp_path / "s3.ckpt", tmp_path / "local.ckpt"
+    consolidate([url, "--out", str(out), "--format", "lightning"])
+    consolidate([(tmp_path / "local" / "ckpt").as_uri(), "--out", str(local_out), "--format", "lightning"])
+    dense, local_dense = torch.load(out, weights_only=True), torch.load(local_out, weights_only=True)
+    assert dense["state_dict"].keys() == local_dense["state_dict"].keys()
+    assert all(torch.equal(v, local_dense["state_dict"][k]) for k, v in dense["state_dict"].items())
+
+    # a bucket cannot be moved aside as a local root is: a new lineage there is refused, before training
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.url=s3://.* holds lineage .* cannot be moved aside"):
+        fit(tmp_path / "s3", _config(tmp_path / "s3", url, resume="never"), MAX_STEPS, [])
+
+
+@pytest.mark.slow
+def test_replay_windows_in_a_bucket_resume_a_lost_node_bitwise(s3_server: S3Server, tmp_path: Path) -> None:
+    url = f"s3://{s3_server.new_bucket()}/run"
+    config = moc_config(tmp_path, mode="replay", replay=ReplayConfig(window=3), every_n_train_steps=2, k_snapshot=2)
+    config = replace(config, storage=StorageConfig(backend="tensorstore", url=url))
+    uninterrupted = Recorder(at=(MAX_STEPS,))
+    fit(tmp_path / "uninterrupted", replace(config, shm_root=str(tmp_path / "u_shm"),
+                                         storage=StorageConfig(backend="tensorstore", url=f"{url}-uninterrupted")),
+        MAX_STEPS, [uninterrupted])  # fmt: skip
+    fit_or_crash(tmp_path, config, MAX_STEPS, Recorder(crash_after=CRASH))
+    shutil.rmtree(tmp_path / "shm")
+    resumed = Recorder(at=(MAX_STEPS,))
+    moc = fit(tmp_path, config, MAX_STEPS, [resumed])
+
+    report = moc.replay_report
+    assert report is not None and report.plt == 0.0 and report.resume_step == 6, report
+    want, got = uninterrupted.states[MAX_STEPS], resumed.states[MAX_STEPS]
+    assert sorted(k for k in want if not torch.equal(got[k], want[k])) == []
+
+
+# ---------------------------------------------------------------- the endpoint
+
+
+def test_the_s3_spec_takes_endpoint_and_region_from_the_environment_and_holds_no_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.0.0.7:9000/")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    spec = s3_spec("s3://bucket/runs/a b")
+    assert spec == {"driver": "s3", "bucket": "bucket", "path": "runs/a b/", "aws_region": "eu-west-3",
+                    "endpoint": "http://10.0.0.7:9000"}  # fmt: skip
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://s3.example.org")
+    assert s3_spec("s3://bucket")["endpoint"] == "https://s3.example.org", "the S3-specific variable wins"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "10.0.0.7:9000")
+    with pytest.raises(ValueError, match=r"AWS_ENDPOINT_URL_S3='10.0.0.7:9000' is not an endpoint; give http"):
+        s3_spec("s3://bucket")
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.url='s3:///path' names no bucket"):
+        s3_spec("s3:///path")
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An endpoint that accepts connections and never answers (a hung server, a black-holing proxy)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for s in (*accepted, server):
+        s.close()
+
+
+@pytest.mark.parametrize("kind", ["refused", "silent"])
+def test_an_endpoint_that_does_not_answer_fails_in_bounded_time_naming_it(
+    kind: str, silent_endpoint: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Failed before this change: TensorStore's open of ``s3://`` waited with no end (the silent endpoint) and the
+    URL form ignored ``AWS_ENDPOINT_URL`` altogether."""
+    if kind == "refused":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    else:
+        endpoint = silent_endpoint
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    monkeypatch.setattr(location, "ENDPOINT_TIMEOUT_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        make_storage("tensorstore", "s3://bucket/run")
+    waited = time.monotonic() - start
+    message = str(err.value)
+    assert f"AWS_ENDPOINT_URL={endpoint}" in message and "did not answer within 2 s" in message, message
+    assert waited < 10, f"waited {waited:.1f} s"
+    assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in message + "".join(capfd.readouterr())
