@@ -18,8 +18,9 @@ from torch import nn
 from trainee import TINY, Trainee, every_step_config, train_and_checkpoint
 
 from moc_lightning.config import StorageConfig
-from moc_lightning.engine.layout import build_layout, param_key, state_key
+from moc_lightning.engine.layout import build_layout
 from moc_lightning.engine.manifest import CheckpointRecord
+from moc_lightning.engine.slots import param_key, state_key
 from moc_lightning.engine.units import ExpertUnit
 from moc_lightning.export.consolidate import (
     OPTIMIZER_KEY,

@@ -11,43 +11,19 @@ in ``state_dict()``: norm statistics, a router's load-balancing bias), by where 
 - held by the MoE layer module itself or by its router: *routing state* (torchtitan's ``expert_bias`` on the layer,
   DeepSeek-V3's ``e_score_correction_bias`` on its ``gate``, token counters). It steers the router, whose weights come
   back at the resume step, so it is a dense buffer of the router's unit (a layer's own buffer joins the unit of its
-  router's weights; ``_dense_name``'s unit where no router is found) and comes back with it, at the resume step, in
+  router's weights; :func:`~moc_lightning.engine.discovery.dense_unit_name`'s
+  unit where no router is found) and comes back with it, at the resume step, in
   every mode (DESIGN.md hard part 10). PEC's loss is of expert weights and optimizer state, not of routing. One
   exception is kept: a buffer of the layer module of shape ``[E_local]`` under expert parallelism (E_local < N) holds
   values that differ per rank, which no dense unit (held alike by every rank, written once) can hold, so its entries
   stay with the local experts;
 - anywhere else: the dense unit of its module, by the same rule as a parameter.
 
-Detection is by name and shape alone: a per-module expert pattern (``expert`` group) or a stacked pattern's
-``experts`` module marks expert state; everything else under the MoE layer's prefix is the layer's or its router's.
-A user whose layer holds per-expert state that is not routing (a per-expert statistic that should follow its expert's
-version) names it in ``expert_buffers`` (``CheckpointConfig.expert_buffers``: regular expressions, ``re.search`` on the
-fully qualified name); such a buffer is sliced to the experts like a stacked ``experts`` buffer, and a pattern that
-names no buffer, or a buffer outside the MoE layers or without one entry per expert, is refused.
-
 A per-expert buffer of all N experts that a rank holds whole while its units own only some of the experts (an
 ``expert_buffers`` buffer under expert parallelism, or a stacked ``experts`` module's buffer beside stacked DTensor
 experts) gives the rank's units their own entries only, so its keys are the same in every world and mode; after a
 restore the ranks share the entries (:meth:`Layout.share_expert_entries`), so each rank's whole buffer again holds
 every expert's entry at that expert's source step.
-
-Experts are found by regular expressions over parameter names. A pattern is matched at the start of the
-name (``re.match``) and has a named group ``layer`` (the MoE layer's module prefix) and, for one module per
-expert, a group ``expert`` (the expert's index); the rest of the name after the match is the parameter's
-name inside the expert. A pattern without an ``expert`` group matches a *stacked* parameter of shape
-``[E, ...]`` whose slice ``[i]`` is local expert ``i``. ``expert_offset`` turns local indices (stacked
-positions, Megatron ``local_experts.{i}``, DeepSpeed ``deepspeed_experts.{i}``) into global ids; the
-reference model already names experts by global id, so it needs the default offset 0.
-
-A stacked claim must be consistent, or it is not experts: every ``[E, ...]`` tensor of the layer has the same
-E on dim 0, and the layer's router (a module named ``router``, ``gate`` or ``gating`` below the layer, holding
-a 2-D weight) has one output per expert. A tensor whose dim 0 is a multiple of the router's E is a flattened
-stack ``[E*I, ...]`` (DBRX) and is sliced through the view ``[E, I, ...]``. A 1-D tensor is an expert slice
-only beside expert matrices of the same E, so a bias vector of the hidden size is never taken for experts.
-
-Non-expert parameters form dense units at layer granularity: the module one level below the MoE layer
-(its router) or below the transformer block (the first integer-indexed module in the name: attention,
-FFN, norms), and otherwise the parameter's own module (embeddings, final norm, head).
 
 Under FSDP2 the parameters and the optimizer state shaped like them are DTensors (:mod:`moc_lightning.engine.pieces`): units
 and keys are found from their names and whole shapes exactly as under DDP, so checkpoints of the two modes are
@@ -58,6 +34,9 @@ experts, their tensors slices of the local piece (plain tensors: nobody else hol
 its local experts as under EP; the layer's routing bias, which every rank holds whole and alike, is a plain tensor of
 the router's unit beside its DTensor weight.
 
+How :func:`build_layout` finds the experts, the routers and the dense units in a model's names and shapes is
+:mod:`moc_lightning.engine.discovery`'s job.
+
 Optimizer state is read when tensors are asked for, not when the layout is built, because optimizers
 create it lazily at their first step. A parameter may have no state at all (frozen, or an expert that has
 received no token yet); a restore recreates exactly the state its source holds, from the stored shapes and
@@ -67,8 +46,7 @@ dtypes (:meth:`Layout.reset_optimizer_state`) or, where the restored tensors are
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -76,85 +54,38 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP places pieces by
+from torch.distributed.tensor import DTensor
 
-from moc_lightning.engine.claims import Router, find_router, no_experts_error, stacked_views
+from moc_lightning.engine.claims import no_experts_error
 from moc_lightning.engine.compute_dtype import compute_dtypes
+from moc_lightning.engine.discovery import (
+    PRESETS,
+    ExpertOffset,
+    buffer_slots,
+    check_unique_keys,
+    claimed_buffers,
+    compile_patterns,
+    dense_unit_name,
+    expert_claims,
+    expert_offset_of,
+    match_expert,
+    moe_layer,
+    persistent_buffers,
+    placements,
+    tied_aliases,
+)
 from moc_lightning.engine.pieces import has_dtensors, piece
+from moc_lightning.engine.slots import (
+    MoeLayer,
+    ParamSlot,
+    buffer_key,
+    param_key,
+    state_key,
+)
 from moc_lightning.engine.units import DenseUnit, ExpertUnit, Unit, parse_unit
-
-PER_MODULE_PATTERNS: tuple[str, ...] = (
-    # reference model (moe.experts.{e}.fc.weight), Mixtral (block_sparse_moe.experts.{e}.w1.weight),
-    # Qwen-MoE / DeepSeek (mlp.experts.{e}.gate_proj.weight), in transformers 4.x
-    r"(?P<layer>.+?)\.experts\.(?P<expert>\d+)\.",
-    # Switch Transformers (mlp.experts.expert_{e}.wi.weight)
-    r"(?P<layer>.+?)\.experts\.expert_(?P<expert>\d+)\.",
-    # DeepSpeed-MoE
-    r"(?P<layer>.+?\.deepspeed_moe)\.experts\.deepspeed_experts\.(?P<expert>\d+)\.",
-    # Megatron-LM SequentialMLP
-    r"(?P<layer>.+?)\.experts\.local_experts\.(?P<expert>\d+)\.",
-)
-STACKED_PATTERNS: tuple[str, ...] = (
-    # a parameter held directly by an ``experts`` module with leading dim E (grouped GEMM, transformers 5.x
-    # fused experts: Mixtral, Qwen-MoE, DeepSeek-V3, GraniteMoe; torchtitan's w1/w2/w3)
-    r"(?P<layer>.+?)\.experts\.(?=[^.]+$)",
-    # DBRX: ffn.experts.mlp.{w1,v1,w2}, flattened [E*I, H]
-    r"(?P<layer>.+?)\.experts\.mlp\.(?=[^.]+$)",
-    # JetMoe (mlp and self_attention.experts) and GraniteMoe 4.x: {input,output}_linear.weight, [E, out, in]
-    r"(?P<layer>.+?)\.(?=(?:input|output)_linear\.weight$)",
-)
-PRESETS: Mapping[str, tuple[str, ...]] = {
-    "auto": PER_MODULE_PATTERNS + STACKED_PATTERNS,
-    "per_module": PER_MODULE_PATTERNS,
-    "stacked": STACKED_PATTERNS,
-}
-
-ExpertOffset = int | Callable[[str], int]
-"""Global id of local expert 0: one int for every MoE layer, or a function of the MoE layer's prefix."""
-
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 """Shape and dtype of a stored tensor: what a restore needs to create the tensor that receives it."""
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One parameter or persistent buffer, or one expert's slice of a stacked one, as owned by a unit."""
-
-    param: str
-    """Fully qualified parameter (or buffer) name."""
-    local_name: str
-    """Name inside the unit (``fc.weight`` for an expert): the same for every expert, EP degree and rank."""
-    index: int | None = None
-    """Position along dim 0 of a stacked ``[E, ...]`` parameter (of this rank's piece of it, for a DTensor sharded
-    along the expert dim) or buffer (the expert's entry: a buffer is never sharded); ``None`` when the unit owns it
-    whole."""
-    buffer: bool = False
-    """A persistent buffer: saved and restored with the unit, no optimizer state."""
-    view: tuple[int, ...] | None = None
-    """Shape a flattened stacked tensor ``[E*I, ...]`` is viewed as (``[E, I, ...]``) before slice ``index``
-    is taken; ``None`` when dim 0 is already the expert dim."""
-
-    @property
-    def is_view(self) -> bool:
-        """True when the unit's tensors are views into a stacked parameter shared with other experts."""
-        return self.index is not None
-
-
-@dataclass(frozen=True)
-class MoeLayer:
-    """One MoE layer: its ordinal (the ``layer`` of its expert units), module prefix and experts."""
-
-    index: int
-    prefix: str
-    num_experts: int
-    """Global number of experts N."""
-    local_experts: tuple[int, ...]
-    """Global ids of the experts whose parameters live on this rank."""
-    router: str | None = None
-    """Module name of the layer's router (``...mlp.gate``), found by name (:func:`claims.find_router`); ``None``
-    when the layer has none that a name shows. :mod:`moc_lightning.engine.routing` counts tokens there."""
 
 
 @dataclass(frozen=True)
@@ -179,38 +110,6 @@ class UnitBytes:
         """What replay mode logs of the unit while it is frozen: what a forward reads, its weights in their compute
         dtype and its buffers."""
         return (self.weights if self.compute_weights is None else self.compute_weights) + self.buffers
-
-
-def param_key(unit: Unit, local_name: str) -> str:
-    """State-dict key of a unit's weight."""
-    return f"{unit.key}/param/{local_name}"
-
-
-def buffer_key(unit: Unit, local_name: str) -> str:
-    """State-dict key of a unit's persistent buffer."""
-    return f"{unit.key}/buffer/{local_name}"
-
-
-def is_state_key(key: str) -> bool:
-    """Whether a state-dict key names optimizer state (:func:`state_key`)."""
-    return "/optim/" in key
-
-
-def is_buffer_key(key: str) -> bool:
-    """Whether a state-dict key (:func:`buffer_key`) names a persistent buffer: unlike weights and optimizer state,
-    which only an optimizer step changes, a forward may update a buffer in place (norm statistics, a
-    load-balancing bias)."""
-    return "/buffer/" in key
-
-
-def slot_key(unit: Unit, slot: ParamSlot) -> str:
-    """The key of a slot's own tensor (weight or buffer)."""
-    return buffer_key(unit, slot.local_name) if slot.buffer else param_key(unit, slot.local_name)
-
-
-def state_key(unit: Unit, local_name: str, state_name: str) -> str:
-    """State-dict key of one optimizer state entry of a unit's weight."""
-    return f"{unit.key}/optim/{local_name}/{state_name}"
 
 
 @dataclass(frozen=True)
@@ -628,68 +527,6 @@ class RollbackPoint(NamedTuple):
     """Copies of the optimizer state, by parameter."""
 
 
-@dataclass(frozen=True)
-class _Match:
-    layer_prefix: str
-    local_name: str
-    local_index: int | None
-    """Captured expert index; ``None`` for a stacked parameter."""
-
-
-def _compile(preset: str | Sequence[str]) -> tuple[re.Pattern[str], ...]:
-    sources = PRESETS.get(preset, (preset,)) if isinstance(preset, str) else tuple(preset)
-    patterns = []
-    for source in sources:
-        try:
-            pattern = re.compile(source)
-        except re.error as err:
-            raise ValueError(
-                f"preset {source!r} is neither one of {sorted(PRESETS)} nor a valid regular expression: {err}"
-            ) from None
-        if "layer" not in pattern.groupindex:
-            raise ValueError(
-                f"expert pattern {source!r} needs a named group 'layer' (the MoE layer prefix); it may also "
-                "have a group 'expert' (the expert index; without it the parameter is a stacked [E, ...] tensor)"
-            )
-        patterns.append(pattern)
-    return tuple(patterns)
-
-
-def _match(name: str, patterns: Sequence[re.Pattern[str]]) -> _Match | None:
-    hits = [(p, m) for p in patterns if (m := p.match(name))]
-    if len(hits) > 1:
-        raise ValueError(
-            f"parameter {name!r} matches more than one expert pattern: {[p.pattern for p, _ in hits]}; "
-            "give patterns that match each expert parameter once"
-        )
-    if not hits:
-        return None
-    pattern, m = hits[0]
-    local_name = name[m.end() :].lstrip(".")
-    if not local_name:
-        raise ValueError(
-            f"expert pattern {pattern.pattern!r} consumed all of parameter {name!r}; "
-            "it must stop before the name inside the expert"
-        )
-    index = int(m["expert"]) if "expert" in pattern.groupindex else None
-    return _Match(layer_prefix=m["layer"], local_name=local_name, local_index=index)
-
-
-def _dense_name(name: str, moe_prefixes: Iterable[str]) -> str:
-    """Module at layer granularity owning non-expert parameter ``name`` (see module docstring)."""
-    parts = name.split(".")
-    anchor = next((len(p.split(".")) for p in moe_prefixes if name.startswith(p + ".")), None)
-    if anchor is None:
-        anchor = next((i + 1 for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
-    if anchor is None:
-        return ".".join(parts[:-1]) or name
-    return ".".join(parts[: min(anchor + 1, len(parts) - 1)])
-
-
-def _offset(expert_offset: ExpertOffset, prefix: str) -> int:
-    return expert_offset(prefix) if callable(expert_offset) else expert_offset
-
-
 def build_layout(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -704,20 +541,20 @@ def build_layout(
 
     Args:
         preset: ``"auto"``, ``"per_module"``, ``"stacked"``, a custom regular expression, or a sequence of
-            regular expressions (see the module docstring for the group names).
+            regular expressions (:mod:`moc_lightning.engine.discovery` names their groups).
         expert_offset: global id of local expert 0 (per MoE layer prefix when a callable).
         num_experts: global experts per MoE layer; defaults to the experts found here times ``expert_parallel``.
         expert_parallel: how many ranks the experts of a layer are spread over (the EP degree).
         expert_buffers: regular expressions (``re.search`` on the fully qualified name) of per-expert buffers held by
             a MoE layer or its router that are expert state, not routing state: their entries go to the experts (see
-            the module docstring; ``CheckpointConfig.expert_buffers``).
+            :mod:`moc_lightning.engine.discovery`; ``CheckpointConfig.expert_buffers``).
     """
     if expert_parallel < 1:
         raise ValueError(f"expert_parallel must be >= 1 (the ranks a layer's experts are on), got {expert_parallel}")
-    patterns = _compile(preset)
+    patterns = compile_patterns(preset)
     params = dict(model.named_parameters())
-    matches, views, routers = _expert_claims(
-        {name: m for name in params if (m := _match(name, patterns))}, params, num_experts, expert_parallel
+    matches, views, routers = expert_claims(
+        {name: m for name in params if (m := match_expert(name, patterns))}, params, num_experts, expert_parallel
     )
     if not matches:
         raise no_experts_error(preset, list(params), PRESETS)
@@ -727,11 +564,11 @@ def build_layout(
     slots: dict[Unit, list[ParamSlot]] = {}
     for name, param in params.items():
         if (m := matches.get(name)) is None:
-            dense = DenseUnit(_dense_name(name, prefixes))
+            dense = DenseUnit(dense_unit_name(name, prefixes))
             slots.setdefault(dense, []).append(ParamSlot(name, name[len(dense.name) :].lstrip(".") or name))
             continue
-        offset = _offset(expert_offset, m.layer_prefix)
-        for local_id, index in _placements(name, param, m, views.get(name)):
+        offset = expert_offset_of(expert_offset, m.layer_prefix)
+        for local_id, index in placements(name, param, m, views.get(name)):
             unit: Unit = ExpertUnit(layer_of[m.layer_prefix], offset + local_id)
             slots.setdefault(unit, []).append(ParamSlot(name, m.local_name, index, view=views.get(name)))
 
@@ -740,230 +577,21 @@ def build_layout(
         for name, m in matches.items() if m.local_index is None and isinstance(params[name], DTensor)
     }
     moe_layers = tuple(
-        _moe_layer(i, prefix, slots, whole.get(prefix, num_experts), expert_parallel, routers[prefix])
+        moe_layer(i, prefix, slots, whole.get(prefix, num_experts), expert_parallel, routers[prefix])
         for i, prefix in enumerate(prefixes)
     )
-    buffers = _persistent_buffers(model)
-    claimed = _claimed(buffers, expert_buffers)
+    buffers = persistent_buffers(model)
+    claimed = claimed_buffers(buffers, expert_buffers)
     for name, buffer in buffers.items():
-        for unit, slot in _buffer_slots(name, buffer, patterns, moe_layers, expert_offset, name in claimed):
+        for unit, slot in buffer_slots(name, buffer, patterns, moe_layers, expert_offset, name in claimed):
             slots.setdefault(unit, []).append(slot)
-    _check_unique_keys(slots)
+    check_unique_keys(slots)
     return Layout(
         slots={unit: tuple(s) for unit, s in slots.items()},
         moe_layers=moe_layers,
         params=params,
         optimizer=optimizer,
         buffers=buffers,
-        aliases=_aliases(model, {**params, **buffers}),
+        aliases=tied_aliases(model, {**params, **buffers}),
         compute_dtypes=compute_dtypes(model),
     )
-
-
-def _expert_claims(
-    found: Mapping[str, _Match], params: Mapping[str, nn.Parameter], num_experts: int | None, expert_parallel: int
-) -> tuple[dict[str, _Match], dict[str, tuple[int, ...] | None], dict[str, Router | None]]:
-    """The matches that are experts (per-module ones, and stacked ones that pass :func:`stacked_views`), the
-    view of each stacked one, and each MoE layer's router."""
-    shapes = {name: param.shape for name, param in params.items()}
-    kept: dict[str, _Match] = {}
-    views: dict[str, tuple[int, ...] | None] = {}
-    routers: dict[str, Router | None] = {}
-    for prefix in dict.fromkeys(m.layer_prefix for m in found.values()):
-        names = [name for name, m in found.items() if m.layer_prefix == prefix]
-        router = find_router(prefix, shapes, found)
-        stacked = {name: shapes[name] for name in names if found[name].local_index is None}
-        ep = 1 if any(isinstance(params[name], DTensor) for name in stacked) else expert_parallel  # whole shapes
-        layer_views = stacked_views(prefix, stacked, router, num_experts, ep) if stacked else {}
-        experts = [name for name in names if found[name].local_index is not None or name in layer_views]
-        if experts:
-            kept.update({name: found[name] for name in experts})
-            views.update(layer_views)
-            routers[prefix] = router
-    return kept, views, routers
-
-
-def _aliases(model: nn.Module, named: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Each name of ``model.state_dict()`` that is not in ``named`` but holds one of its tensors, to that tensor's
-    name in ``named``: ``named_parameters()`` lists a tied tensor once, ``state_dict()`` under every name."""
-    first = {id(tensor): name for name, tensor in named.items()}
-    return {
-        name: first[id(tensor)]
-        for name, tensor in model.state_dict(keep_vars=True).items()
-        if name not in named and id(tensor) in first
-    }
-
-
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers that ``model.state_dict()`` holds (not the non-persistent ones), by fully qualified name."""
-    return {
-        f"{prefix}.{name}" if prefix else name: buffer
-        for prefix, module in model.named_modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None and name not in module._non_persistent_buffers_set
-    }
-
-
-def _buffer_slots(
-    name: str,
-    buffer: torch.Tensor,
-    patterns: Sequence[re.Pattern[str]],
-    moe_layers: Sequence[MoeLayer],
-    expert_offset: ExpertOffset,
-    claimed: bool,
-) -> list[tuple[Unit, ParamSlot]]:
-    """The unit (or, for a per-expert buffer of experts, the experts) owning buffer ``name`` (see the module
-    docstring); ``claimed``: an ``expert_buffers`` pattern names it expert state."""
-    m = _match(name, patterns)
-    layer = next((layer for layer in moe_layers if m is not None and layer.prefix == m.layer_prefix), None)
-    if m is not None and layer is not None and m.local_index is not None:  # inside one expert's module
-        unit: Unit = ExpertUnit(layer.index, _offset(expert_offset, layer.prefix) + m.local_index)
-        return [(unit, ParamSlot(name, m.local_name, buffer=True))]
-    holder, leaf = name.rpartition(".")[::2]
-    if layer is not None:  # inside a stacked ``experts`` module: its experts' entries
-        per_expert = _one_per_expert(buffer, layer)
-    else:  # held by a MoE layer module itself or by its router (routing state), or outside every MoE layer
-        layer = max((x for x in moe_layers if name.startswith(x.prefix + ".")), key=lambda x: len(x.prefix),
-                    default=None)  # the innermost, were MoE layers nested
-        per_expert = layer is not None and (claimed or (holder == layer.prefix and _differs_per_rank(buffer, layer)))
-    if claimed:
-        _check_claim(name, buffer, layer, moe_layers)
-    if per_expert and layer is not None:  # per_expert is only ever True with a layer
-        whole = buffer.shape[0] == layer.num_experts  # entry e is expert e's; else the local experts' in order
-        return [
-            (ExpertUnit(layer.index, e), ParamSlot(name, leaf, index=e if whole else i, buffer=True))
-            for i, e in enumerate(layer.local_experts)
-        ]
-    prefixes = [x.prefix for x in moe_layers]
-    if layer is not None and layer.router is not None and holder == layer.prefix:  # routing state: the router's unit
-        return [(DenseUnit(_dense_name(f"{layer.router}.{leaf}", prefixes)), ParamSlot(name, leaf, buffer=True))]
-    unit = DenseUnit(_dense_name(name, prefixes))
-    return [(unit, ParamSlot(name, name[len(unit.name) :].lstrip(".") or name, buffer=True))]
-
-
-def _one_per_expert(buffer: torch.Tensor, layer: MoeLayer) -> bool:
-    """Whether ``buffer`` has one entry per expert of ``layer`` along dim 0: all N, or this rank's local experts."""
-    return buffer.dim() > 0 and buffer.shape[0] in (layer.num_experts, len(layer.local_experts))
-
-
-def _differs_per_rank(buffer: torch.Tensor, layer: MoeLayer) -> bool:
-    """Whether a buffer of the MoE layer module itself has one entry per *local* expert under expert parallelism
-    (``[E_local]``, E_local < N): its values differ per rank, so no dense unit (which every rank holds alike, written
-    once) can hold it, and its entries stay with the local experts, in order."""
-    return buffer.dim() > 0 and buffer.shape[0] == len(layer.local_experts) < layer.num_experts
-
-
-def _check_claim(name: str, buffer: torch.Tensor, layer: MoeLayer | None, moe_layers: Sequence[MoeLayer]) -> None:
-    """Refuse an ``expert_buffers`` claim on a buffer that cannot be expert state: outside every MoE layer, or without
-    one entry per expert."""
-    if layer is None:
-        raise ValueError(
-            f"expert_buffers names buffer {name!r}, which is not held by a MoE layer or its router (MoE layers: "
-            f"{[x.prefix for x in moe_layers]}); only a per-expert buffer of a MoE layer can be expert state"
-        )
-    if not _one_per_expert(buffer, layer):
-        raise ValueError(
-            f"expert_buffers names buffer {name!r} of shape {tuple(buffer.shape)}, whose dim 0 is not one entry per "
-            f"expert of MoE layer {layer.prefix!r} ({layer.num_experts} experts, {len(layer.local_experts)} on this "
-            "rank); an expert buffer has one entry per expert"
-        )
-
-
-def _claimed(buffers: Iterable[str], expert_buffers: Sequence[str]) -> set[str]:
-    """The buffers that ``expert_buffers`` names (each pattern found in the fully qualified name, ``re.search``); a
-    pattern that names none is refused, so that a misspelt override does not silently leave a buffer dense."""
-    names = list(buffers)
-    claimed: set[str] = set()
-    for source in expert_buffers:
-        found = {name for name in names if re.search(source, name)}
-        if not found:
-            raise ValueError(
-                f"expert_buffers pattern {source!r} matches no buffer of the model (persistent buffers: "
-                f"{names[:10]}{' ...' if len(names) > 10 else ''}); name per-expert buffers of MoE layers"
-            )
-        claimed |= found
-    return claimed
-
-
-def _placements(
-    name: str, param: nn.Parameter, m: _Match, view: tuple[int, ...] | None
-) -> Sequence[tuple[int, int | None]]:
-    """``(local expert id, slice index)`` of each expert holding a part of expert parameter ``name``."""
-    if m.local_index is not None:
-        return [(m.local_index, None)]
-    if param.dim() == 0:
-        raise ValueError(f"stacked expert parameter {name!r} is a scalar; it needs a leading expert dim [E, ...]")
-    if isinstance(param, DTensor):
-        return _local_experts(name, param, view)
-    return [(i, i) for i in range((view or param.shape)[0])]
-
-
-def _local_experts(name: str, param: DTensor, view: tuple[int, ...] | None) -> list[tuple[int, int]]:
-    """``(expert id, slice index)`` of each expert whose rows this rank's piece of the stacked DTensor ``name`` holds:
-    sharded along the expert dim (torchtitan's layout under ``fully_shard``), the piece is whole experts, their ids
-    counted in the whole tensor, their slices in the piece. A piece that splits an expert is refused."""
-    if any(p != Shard(0) and not p.is_replicate() for p in param.placements):
-        raise ValueError(
-            f"stacked expert parameter {name!r} is a DTensor placed {tuple(param.placements)}; MoC slices a stacked "
-            "[E, ...] DTensor into experts only when it is sharded along dim 0, the expert dim, or replicated (shard "
-            "it along dim 0, e.g. fully_shard's default shard_placement_fn)"
-        )
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    rows = view[1] if view else 1
-    if offset[0] % rows or shape[0] % rows:
-        raise ValueError(
-            f"stacked expert parameter {name!r} is a DTensor whose piece on this rank (rows [{offset[0]}, "
-            f"{offset[0] + shape[0]}) of dim 0) splits an expert of {rows} rows; shard it so that each rank holds "
-            "whole experts"
-        )
-    return [(offset[0] // rows + j, j) for j in range(shape[0] // rows)]
-
-
-def _moe_layer(
-    index: int,
-    prefix: str,
-    slots: Mapping[Unit, list[ParamSlot]],
-    num_experts: int | None,
-    expert_parallel: int,
-    router: Router | None,
-) -> MoeLayer:
-    experts = {
-        u.expert: {s.local_name for s in unit_slots}
-        for u, unit_slots in slots.items()
-        if isinstance(u, ExpertUnit) and u.layer == index
-    }
-    local = tuple(sorted(experts))
-    if not local:
-        raise ValueError(
-            f"MoE layer {prefix!r} has no expert on this rank: its stacked experts are sharded over more ranks than "
-            "it has experts; MoC needs each rank to hold at least one whole expert"
-        )
-    shapes = {tuple(sorted(names)) for names in experts.values()}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"experts of MoE layer {prefix!r} hold different parameters {sorted(shapes)}; stacked tensors must "
-            "share their leading dim E and every expert module must have the same parameters"
-        )
-    n = len(local) * expert_parallel if num_experts is None else num_experts
-    if local[-1] >= n:
-        raise ValueError(
-            f"MoE layer {prefix!r} has global expert ids {list(local)} but num_experts={n}; ids must be in "
-            "[0, num_experts) (check num_experts, expert_parallel and expert_offset)"
-        )
-    return MoeLayer(
-        index=index, prefix=prefix, num_experts=n, local_experts=local, router=router.module if router else None
-    )
-
-
-def _check_unique_keys(slots: Mapping[Unit, list[ParamSlot]]) -> None:
-    """Two tensors must not land on the same key (e.g. an expert offset that folds ids together)."""
-    for unit, unit_slots in slots.items():
-        seen: dict[str, str] = {}
-        for slot in unit_slots:
-            key = slot_key(unit, slot)
-            if key in seen:
-                raise ValueError(
-                    f"parameters {seen[key]!r} and {slot.param!r} both map to "
-                    f"{key!r}; check expert_offset and the expert patterns"
-                )
-            seen[key] = slot.param

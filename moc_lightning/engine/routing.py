@@ -33,7 +33,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from moc_lightning.engine.layout import Layout, MoeLayer
+from moc_lightning.engine.layout import Layout
+from moc_lightning.engine.slots import MoeLayer
 
 TOP_K_NAMES: tuple[str, ...] = (
     "num_experts_per_tok",

@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from moc_lightning.engine.layout import buffer_key, param_key
 from moc_lightning.engine.manifest import CheckpointRecord, Manifest, ManifestError
 from moc_lightning.engine.parts import PARTS, part_key, part_key_of, split_part_key
+from moc_lightning.engine.slots import buffer_key, param_key
 from moc_lightning.engine.units import DenseUnit, ExpertUnit, Unit, parse_unit
 from moc_lightning.export import hf_format
 from moc_lightning.pec.stored import MANIFEST, UnreadableCheckpoint, read_description, read_manifest

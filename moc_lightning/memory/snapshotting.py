@@ -19,8 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from moc_lightning.engine.layout import is_buffer_key
 from moc_lightning.engine.parts import split_part_key
+from moc_lightning.engine.slots import is_buffer_key
 from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.encoding import encode_state
 from moc_lightning.memory.persisting import PersistQueue

@@ -20,10 +20,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moc_lightning.config import CheckpointConfig
-from moc_lightning.engine.layout import slot_key
 from moc_lightning.engine.lineage import Lineage
 from moc_lightning.engine.manifest import CheckpointRecord, Manifest
 from moc_lightning.engine.parts import split_part_key
+from moc_lightning.engine.slots import slot_key
 from moc_lightning.engine.units import Unit, parse_unit
 from moc_lightning.pec.commit import ManifestCommit
 from moc_lightning.pec.outcomes import (

@@ -69,7 +69,8 @@ from typing import Protocol
 
 import torch
 
-from moc_lightning.engine.layout import Layout, UnitBytes, is_state_key
+from moc_lightning.engine.layout import Layout, UnitBytes
+from moc_lightning.engine.slots import is_state_key
 from moc_lightning.engine.units import ExpertUnit, Unit
 from moc_lightning.replay.window_file import FULL, BufferKey
 

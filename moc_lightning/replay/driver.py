@@ -59,8 +59,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from torch.nn.parallel import DistributedDataParallel
 
 from moc_lightning.engine import trainer_state
-from moc_lightning.engine.layout import Layout, is_buffer_key
+from moc_lightning.engine.layout import Layout
 from moc_lightning.engine.lineage import Lineage
+from moc_lightning.engine.slots import is_buffer_key
 from moc_lightning.engine.units import DenseUnit, parse_unit
 from moc_lightning.replay.core import Buffers, Replay, WindowRecord, copy_all
 from moc_lightning.replay.memory import window_plan
