@@ -18,17 +18,17 @@ from recipe_runs import run_python
 from storage_faults import takes_direct_io
 
 from moc_lightning.models.gpt_moe import GPTMoEConfig
-from moc_lightning.tools import bench
 from moc_lightning.tools.bench import (
     METHODS,
     BenchConfig,
-    _train_config,
+    bounds,
     disk_bytes,
     markdown_table,
     run_bench,
     scaled_k,
     tensor_bytes,
 )
+from moc_lightning.tools.bench.config import train_config
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
            "recover_seconds")
@@ -59,7 +59,7 @@ def test_write_bound_is_the_faster_of_cached_and_direct_writes(tmp_path: Path, m
     network file systems) the cached write alone, with no error."""
     times = {0: 2.0, getattr(os, "O_DIRECT", -1): 0.5}  # seconds per write, by open flags
     tried: list[int] = []
-    real = bench._timed_write
+    real = bounds._timed_write
 
     def timed(path: Path, nbytes: int, block: memoryview, flags: int) -> tuple[int, float]:
         tried.append(flags)
@@ -68,9 +68,9 @@ def test_write_bound_is_the_faster_of_cached_and_direct_writes(tmp_path: Path, m
 
     if not takes_direct_io(tmp_path):
         pytest.skip(f"{tmp_path} takes no direct I/O (O_DIRECT): there is no direct write to measure")
-    monkeypatch.setattr(bench, "_timed_write", timed)
+    monkeypatch.setattr(bounds, "_timed_write", timed)
     nbytes = 3 << 20
-    gbps = bench.write_fsync_gbps(tmp_path / "disk", nbytes, chunk=1 << 20)
+    gbps = bounds.write_fsync_gbps(tmp_path / "disk", nbytes, chunk=1 << 20)
     assert tried == [0, os.O_DIRECT], "both ways measured"
     assert gbps == pytest.approx(nbytes / 0.5 / 1e9), "the direct write was the faster"
 
@@ -79,8 +79,8 @@ def test_write_bound_is_the_faster_of_cached_and_direct_writes(tmp_path: Path, m
             raise OSError(errno.EINVAL, "direct I/O refused", str(path))
         return real(path, nbytes, block, flags)[0], times[flags]
 
-    monkeypatch.setattr(bench, "_timed_write", refused)
-    assert bench.write_fsync_gbps(tmp_path / "disk", nbytes, chunk=1 << 20) == pytest.approx(nbytes / 2.0 / 1e9)
+    monkeypatch.setattr(bounds, "_timed_write", refused)
+    assert bounds.write_fsync_gbps(tmp_path / "disk", nbytes, chunk=1 << 20) == pytest.approx(nbytes / 2.0 / 1e9)
 
 
 def test_tensor_bytes_reads_dcp_metadata_and_torch_save_files(tmp_path: Path) -> None:
@@ -173,7 +173,7 @@ def test_every_run_trains_at_the_configured_precision_which_the_mode_must_suppor
     """``precision`` reaches every method's Trainer (under ``fsdp2`` at ``bf16-mixed`` replay logs bf16 weights), and a
     precision the mode does not train in is refused before anything runs."""
     cfg = BenchConfig(data_parallel="fsdp2", precision="bf16-mixed", devices=2)
-    assert _train_config(cfg, cfg.steps).trainer.precision == "bf16-mixed"
+    assert train_config(cfg, cfg.steps).trainer.precision == "bf16-mixed"
     assert BenchConfig().precision == "32-true"
     with pytest.raises(ValueError, match=r"trainer.precision='bf16-true' is not supported with trainer.data_parallel"):
         BenchConfig(data_parallel="fsdp2", precision="bf16-true")
