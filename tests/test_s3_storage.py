@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import boto3
 import pytest
 import torch
 from lightning_run import DrainPersists, Recorder, check_sources, fit, fit_or_crash, moc_config
@@ -23,6 +24,7 @@ from s3_server import CREDENTIALS, S3Server
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.export.consolidate import main as consolidate
+from moc_lightning.pec.stored import checkpoint_name
 from moc_lightning.storage import location, make_storage
 from moc_lightning.storage.location import s3_spec
 
@@ -93,6 +95,33 @@ def test_replay_windows_in_a_bucket_resume_a_lost_node_bitwise(s3_server: S3Serv
     assert report is not None and report.plt == 0.0 and report.resume_step == 6, report
     want, got = uninterrupted.states[MAX_STEPS], resumed.states[MAX_STEPS]
     assert sorted(k for k in want if not torch.equal(got[k], want[k])) == []
+
+
+@pytest.mark.slow
+def test_an_object_truncated_in_the_bucket_after_its_commit_falls_back_to_the_version_before(
+    s3_server: S3Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One chunk object of the newest committed checkpoint is cut short behind MoC's back (a partial overwrite, a
+    bad copy): its CRC32C no longer matches, so the resume drops that checkpoint and takes each unit from the one
+    before, bitwise, and says so; nothing of the damaged checkpoint is loaded."""
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/run"
+    first = Recorder(at=tuple(range(1, CRASH + 1)), crash_after=CRASH)
+    fit_or_crash(tmp_path, _config(tmp_path, url), MAX_STEPS, first, [DrainPersists()])
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    newest = f"run/{checkpoint_name(6)}/"
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=newest).get("Contents", [])]
+    chunk = next((k for k in keys if "/c/" in k), None)
+    assert chunk is not None, f"no zarr chunk object under {newest}: {keys[:5]}"
+    body = s3.get_object(Bucket=bucket, Key=chunk)["Body"].read()
+    s3.put_object(Bucket=bucket, Key=chunk, Body=body[: len(body) // 2])
+    shutil.rmtree(tmp_path / "shm")
+
+    resumed = Recorder()
+    moc = fit_or_crash(tmp_path, _config(tmp_path, url), MAX_STEPS, resumed, [DrainPersists()])
+    assert moc.recovery.resume_step == 2, f"{chunk} was cut short: step 6 must be dropped"
+    assert checkpoint_name(6) in capsys.readouterr().out, "the fallback is reported"
+    check_sources(first, resumed, moc.recovery.sources)
 
 
 # ---------------------------------------------------------------- the endpoint
