@@ -462,6 +462,7 @@ def _claim_a_wrong_step(records: dict[int, list[dict[str, Any]]]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("chaos_trials")  # one worker: the trials of one configuration share its reference run
 @pytest.mark.parametrize(("seed", "data_parallel"), SEEDED_TRIALS)
 def test_seeded_trial(seed: int, data_parallel: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """One randomized trial must pass every check; on its real records the oracle must also catch a report

@@ -45,8 +45,10 @@ def recipe(*args: str) -> None:
 @QUICK_BENCH
 def test_notebook_plots_every_figure_from_the_quick_outputs(tmp_path: Path, quick_bench: BenchRun) -> None:
     shutil.copy(quick_bench.result, tmp_path / "bench.json")
-    recipe("recipes/accuracy_study.py", f"out={tmp_path / 'accuracy.json'}", "steps=24", "fault_every=10",
-           "val_batches=2", "sweep=1")  # fmt: skip
+    # the smallest study that fills every figure: a few configurations and the sweep (26 s against 49 s for the
+    # defaults at steps=24 on the reference machine); the figures' content is the analysis's, not this test's
+    recipe("recipes/accuracy_study.py", f"out={tmp_path / 'accuracy.json'}", "steps=12", "fault_every=5",
+           "val_batches=1", "sweep=1", "configs=no_faults,pec_k1_persist_only,replay")  # fmt: skip
     recipe("recipes/sharding_report.py", f"out={tmp_path / 'sharding.json'}", "plan_ranks=64")
     script = tmp_path / "moc_analysis.py"
     cells = [cell for cell in load_notebook()["cells"] if cell["cell_type"] == "code"]

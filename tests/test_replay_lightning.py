@@ -4,6 +4,7 @@ run ends bitwise on the uninterrupted run's state; ``mode=pec`` under the same f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -17,8 +18,9 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
+from s3_server import S3Server
 
-from moc_lightning.config import CheckpointConfig, ReplayConfig
+from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.lightning import replay_wiring
 from moc_lightning.replay import driver as replay_driver
 from moc_lightning.replay.window_store import window_object
@@ -101,6 +103,26 @@ def test_replay_resume_ends_bitwise_on_the_uninterrupted_state(
     written = json.loads((tmp_path / "run" / "moc_recovery" / "rank0.json").read_text())  # what fault drills read
     assert written == {"mode": "replay", **asdict(report)}
     assert _differing(final, uninterrupted) == []
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("replay_lightning")
+def test_replay_windows_in_a_bucket_resume_a_lost_node_bitwise(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor], s3_server: S3Server
+) -> None:
+    """Windows stored in an ``s3://`` bucket (a live S3-protocol server): after a crash and the loss of the node's
+    shared memory, the resume takes the newest stored window from the bucket, replays it, loses no token and ends
+    bitwise on the uninterrupted run's state (issue 31)."""
+    config = dataclasses.replace(
+        _config(tmp_path, "replay"), storage=StorageConfig(backend="tensorstore", url=f"s3://{s3_server.new_bucket()}/r")
+    )
+    fit_or_crash(tmp_path, config, MAX_STEPS, Recorder(crash_after=7), gradient_clip_val=CLIP)
+    shutil.rmtree(tmp_path / "shm")
+    resumed = Recorder(at=(MAX_STEPS,))
+    moc = fit(tmp_path, config, MAX_STEPS, [resumed], gradient_clip_val=CLIP)
+    report = moc.replay_report
+    assert report is not None and report.plt == 0.0 and report.resume_step == 6, report
+    assert _differing(resumed.states[MAX_STEPS], uninterrupted) == []
 
 
 @pytest.mark.xdist_group("replay_lightning")
