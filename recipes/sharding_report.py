@@ -1,7 +1,7 @@
 """Sharding report: the busiest rank's checkpoint bytes under each ownership strategy (MoC-System Fig. 10).
 
 For GPT-350M-16E (Table 1) in the three configurations of Table 2, the units are built analytically from
-the model's shapes and the experts of each checkpoint come from ``moc_lightning.engine.selection.SequentialSelection``.
+the model's shapes (``moc_lightning.tools.moe_shapes``) and the experts of each checkpoint come from ``moc_lightning.engine.selection.SequentialSelection``.
 Two accountings:
 
 - the paper's (Figure 10 b-d): ZeRO-2 + EP in mixed precision, DeepSpeed's default ZeRO-2 save as the
@@ -21,16 +21,18 @@ Run it with the repository on the import path (``pip install -e .`` or ``PYTHONP
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moc_lightning.engine.selection import SequentialSelection
-from moc_lightning.engine.units import DenseUnit, ExpertUnit
-from moc_lightning.sharding.ownership import STRATEGIES, Ownership, ShardingUnit, Topology, compute_ownership
+from moc_lightning.sharding.ownership import (
+    STRATEGIES,
+    Ownership,
+    Topology,
+    compute_ownership,
+)
 from moc_lightning.sharding.paper_accounting import (
     BASELINE,
     ZERO2_PLANS,
@@ -40,6 +42,7 @@ from moc_lightning.sharding.paper_accounting import (
     zero2_checkpoint,
 )
 from moc_lightning.tools.cli import parse_key_values
+from moc_lightning.tools.moe_shapes import GptMoeShape, checkpoint_units, rotation
 
 WEIGHT_BYTES = MixedPrecision().weight_bytes
 """bf16 weights."""
@@ -58,78 +61,6 @@ PLAN_TIME_LIMIT_S = 1.0
 """DESIGN.md, Scale: a plan for thousands of ranks takes well under a second."""
 PLAN_TIMING_EP = 16
 PLAN_TIMING_REPEATS = 3
-
-
-@dataclass(frozen=True)
-class GptMoeShape:
-    """GPT-350M-16E (Table 1): MoE replaces the FFN of every other layer (layers 1, 3, ..., 23)."""
-
-    layers: int = 24
-    hidden: int = 1024
-    experts: int = 16
-    vocab: int = 50304
-    """GPT-2's 50257 padded to a multiple of 128, as Megatron does; the LM head is tied to it."""
-    seq_len: int = 2048
-    ffn_mult: int = 4
-
-    @property
-    def moe_layers(self) -> range:
-        return range(1, self.layers, 2)
-
-    @property
-    def ffn_params(self) -> int:
-        """One GPT FFN (fc + proj, with biases): the size of a dense FFN and of each expert."""
-        h, f = self.hidden, self.ffn_mult * self.hidden
-        return 2 * h * f + f + h
-
-    def dense_params(self) -> list[tuple[str, int]]:
-        """Non-expert modules at layer granularity, in state-dict order, as (name, parameter count)."""
-        h = self.hidden
-        layer_norm = 2 * h
-        modules = [("wte", self.vocab * h), ("wpe", self.seq_len * h)]
-        for layer in range(self.layers):
-            modules.append((f"layers.{layer}.attn", layer_norm + 4 * h * h + 4 * h))
-            if layer in self.moe_layers:
-                modules.append((f"layers.{layer}.router", layer_norm + h * self.experts))
-            else:
-                modules.append((f"layers.{layer}.ffn", layer_norm + self.ffn_params))
-        modules.append(("ln_f", layer_norm))
-        return modules
-
-
-def rotation(shape: GptMoeShape, ep: int, k: int) -> Iterator[tuple[tuple[int, ...], ...]]:
-    """Experts each MoE layer persists at every checkpoint of one full rotation (ceil(N/k) checkpoints).
-
-    The rotation then repeats, so its worst checkpoint is the worst of the whole run.
-    """
-    policy = SequentialSelection(num_experts=[shape.experts] * len(shape.moe_layers), ep_degree=ep)
-    for checkpoint in range(math.ceil(shape.experts / k)):
-        yield policy.select(checkpoint, k, k).persist
-
-
-def checkpoint_units(
-    shape: GptMoeShape, topology: Topology, selection: Sequence[Sequence[int]], bytes_per_param: int = BYTES_PER_PARAM
-) -> tuple[ShardingUnit, ...]:
-    """All dense units and the selected experts, in state-dict order; one row of ``bytes_per_param`` per parameter."""
-    per_rank = shape.experts // topology.ep
-    units = []
-    for name, params in shape.dense_params():
-        units.append(ShardingUnit(DenseUnit(name).key, "dense", params, bytes_per_param, topology.ranks()))
-        if name.endswith(".router"):
-            moe_index = shape.moe_layers.index(int(name.split(".")[1]))
-            units.extend(
-                ShardingUnit(
-                    ExpertUnit(moe_index, e).key,
-                    "expert",
-                    shape.ffn_params,
-                    bytes_per_param,
-                    topology.replicas(e // per_rank),
-                    layer=moe_index,
-                    expert=e,
-                )
-                for e in selection[moe_index]
-            )
-    return tuple(units)
 
 
 @dataclass(frozen=True)
@@ -180,7 +111,7 @@ def score(shape: GptMoeShape, case: str, topology: Topology, strategy: str, k: i
     """Worst checkpoint of one full rotation of the selection, and the worst floor with its reason."""
     busiest, floor, reason, ideal = 0, 0.0, "", 0.0
     for selection in rotation(shape, topology.ep, k):
-        ownership = compute_ownership(checkpoint_units(shape, topology, selection), topology, strategy)
+        ownership = compute_ownership(checkpoint_units(shape, topology, selection, BYTES_PER_PARAM), topology, strategy)
         busiest = max(busiest, ownership.busiest_bytes)
         bound_reason, bound = max(lower_bounds(ownership).items(), key=lambda item: item[1])
         if bound > floor:
@@ -194,7 +125,7 @@ def split_dense_units(shape: GptMoeShape, topology: Topology) -> str:
 
     ``equal`` places dense units ignoring experts; ``adaptive`` pours into the gaps the selection leaves.
     """
-    units = checkpoint_units(shape, topology, next(rotation(shape, topology.ep, shape.experts)))
+    units = checkpoint_units(shape, topology, next(rotation(shape, topology.ep, shape.experts)), BYTES_PER_PARAM)
     ownership = compute_ownership(units, topology, "equal")
     share = sum(unit.nbytes for unit in units if unit.kind == "dense") / topology.world_size
     split = [
@@ -209,7 +140,7 @@ def split_dense_units(shape: GptMoeShape, topology: Topology) -> str:
 def plan_time(shape: GptMoeShape, ranks: int, strategy: str) -> dict[str, float | int | str]:
     """Best-of-3 wall time of an uncached plan of a full checkpoint (K = N) on ``ranks`` simulated ranks."""
     topology = Topology(world_size=ranks, ep=PLAN_TIMING_EP)
-    units = checkpoint_units(shape, topology, next(rotation(shape, topology.ep, shape.experts)))
+    units = checkpoint_units(shape, topology, next(rotation(shape, topology.ep, shape.experts)), BYTES_PER_PARAM)
     seconds = []
     for _ in range(PLAN_TIMING_REPEATS):
         start = time.perf_counter()

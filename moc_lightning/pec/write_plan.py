@@ -145,12 +145,9 @@ class WritePlan:
         their holders as under DDP, so ``checkpoint.sharding`` splits them as it does there; ``adaptive`` counts
         the optimizer bytes each owner writes anyway when it places them (the paper's AN, section 4.3)."""
         saved: list[tuple[Unit, str | None]] = [(u, None) for u in units] + list(partial.items())
-        loads = [0] * self.topology.world_size
-        for unit, part in saved:
-            if part != "weights":
-                loads[state_owners[unit.key]] += self.unit_nbytes(unit, "optimizer")
+        states = [(state_owners[u.key], self.unit_nbytes(u, "optimizer")) for u, part in saved if part != "weights"]
         weights = tuple(self._sharding_unit(u, "weights") for u, part in saved if part != "optimizer")
-        ownership = plan_ownership(weights, self._sharding_topology, self.cfg.sharding, base_loads=loads)
+        ownership = zero_weights_ownership(weights, states, self._sharding_topology, self.cfg.sharding)
         writes = self._owned_rows(ownership, {k: t for k, t in state.items() if part_of(k) == "weights"})
         rank = self.topology.rank
         for key, tensor in state.items():
@@ -197,6 +194,19 @@ class WritePlan:
         ep_rank = unit.expert // per_rank
         holders = range(ep_rank, self.topology.world_size, self.topology.ep)
         return ShardingUnit(unit.key, "expert", rows, row_bytes, holders, layer=unit.layer, expert=unit.expert)
+
+
+def zero_weights_ownership(
+    weights: Sequence[ShardingUnit], states: Iterable[tuple[int, int]], topology: Topology, strategy: str
+) -> Ownership:
+    """Under ZeRO: who writes which rows of the saved units' replicated weights, the optimizer state being written by
+    its owners anyway (``states``: (owner rank, bytes) of each saved unit's state), which ``adaptive`` counts when it
+    places the dense weights. Pure: the persist's plan (:meth:`WritePlan._zero_writes`) and the scale report's
+    simulated ranks (:mod:`moc_lightning.tools.scale_report`) call the same function."""
+    loads = [0] * topology.world_size
+    for owner, nbytes in states:
+        loads[owner] += nbytes
+    return plan_ownership(weights, topology, strategy, base_loads=loads)
 
 
 def model_units(layout: Layout) -> list[Unit]:

@@ -429,6 +429,12 @@ def _adaptive_around(units: tuple[ShardingUnit, ...], topology: Topology, base_l
     return equal_experts_ownership(units, topology, label="adaptive", base_loads=base_loads, pour=True)
 
 
+def forget_plans() -> None:
+    """Drop every cached plan, so that the next ``plan_ownership`` computes afresh (what the scale report times)."""
+    _cached_ownership.cache_clear()
+    _adaptive_around.cache_clear()
+
+
 def plan_ownership(
     units: Sequence[ShardingUnit],
     topology: Topology,

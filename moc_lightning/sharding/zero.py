@@ -86,13 +86,28 @@ def partition_by_units(layout: Layout, topology: ExpertParallelTopology) -> Zero
     dense = [b for b in bundles if not isinstance(b[0], ExpertUnit)]
     experts = [b for b in bundles if isinstance(b[0], ExpertUnit)]
     for group, candidates in ((dense, tuple(range(topology.world_size))), (experts, replicas)):
-        for bundle in sorted(group, key=lambda b: (-_numel(layout, b), b[0].key)):
-            rank = min(candidates, key=lambda r: (loads[r], r))
-            loads[rank] += _numel(layout, bundle)
-            for param in _params(layout, bundle):
+        by_key = {bundle[0].key: bundle for bundle in group}
+        placed = lpt_owners([(key, _numel(layout, bundle)) for key, bundle in by_key.items()], candidates, loads)
+        for key, rank in placed.items():
+            for param in _params(layout, by_key[key]):
                 owner[param] = rank
                 holders[param] = candidates
     return ZeroPartition(owner=owner, holders=holders, rank=topology.rank, replica_group=topology.replica_group)
+
+
+def lpt_owners(items: Sequence[tuple[str, int]], candidates: Sequence[int], loads: list[int]) -> dict[str, int]:
+    """The ZeRO owner of each ``(key, parameters)`` bundle among ``candidates``: largest first (ties by key), each
+    onto the candidate with the fewest parameters in ``loads`` (ties to the lower rank), which it then adds to.
+
+    Pure apart from ``loads``, so a report can place the bundles of a model it never builds
+    (:mod:`moc_lightning.tools.scale_report`) exactly as :func:`partition_by_units` does.
+    """
+    owners: dict[str, int] = {}
+    for key, numel in sorted(items, key=lambda item: (-item[1], item[0])):
+        rank = min(candidates, key=lambda r: (loads[r], r))
+        loads[rank] += numel
+        owners[key] = rank
+    return owners
 
 
 def _bundles(layout: Layout) -> list[tuple[Unit, ...]]:

@@ -1,0 +1,613 @@
+"""The control plane at simulated world sizes, in one process, with the library's own functions (issue 30, item 1).
+
+DESIGN.md, Scale: at 16,384 ranks and a DeepSeek-V3-shaped model, a rank's plan costs O(units + ranks), runs off the
+training thread and takes under a second; a recovery exchanges O(units) per rank; a snapshot runs no collective whose
+cost grows with world size. Nothing here re-implements the engine: every figure comes from calling its functions on
+synthetic inputs of the simulated size (the paper's setting, ZeRO-2 + EP in bf16 with fp32 master and moments):
+
+- ``plan_s``: one rank's write plan, :func:`~moc_lightning.pec.write_plan.zero_weights_ownership` over the engine's
+  units (rows = the longest dim 0, as :class:`~moc_lightning.pec.write_plan.WritePlan` sizes them) and the rank's
+  ``writes_of``, uncached; the ZeRO owners come from :func:`~moc_lightning.sharding.zero.lpt_owners`
+  (``zero_owners_s``, once per layout). ``plan_memory_bytes``: the peak Python allocation of that plan (tracemalloc).
+- ``coordinator_plan_s`` / ``metadata_bytes``: every simulated rank's local plan from
+  :class:`~moc_lightning.sharding.planner.MoCSavePlanner` over meta tensors of the real shapes, then the coordinator's
+  ``create_global_plan`` and the sealed ``.metadata`` (:func:`~moc_lightning.storage.integrity.metadata_bytes`). The
+  ``dcp_*`` fields are DCP's own default (every rank proposes what it holds, ``dedup_save_plans`` picks) measured the
+  same way. Above ``item_cap`` write items the plans are not built (their memory); the field is null and its
+  ``*_reason`` gives a linear extrapolation from the largest measured size of the same model.
+- ``manifest_bytes`` / ``commit_s``: a manifest of ``retention`` records of the rotation, and the coordinator's
+  :class:`~moc_lightning.pec.commit.ManifestCommit` to a temporary filesystem storage, the self-description shaped as
+  the persister's (every weight key's parameter source).
+- ``inventory_bytes_per_rank`` / ``recovery_exchange_bytes`` / ``recovery_plan_s``: each rank's
+  :class:`~moc_lightning.memory.recovery.SlotInventory` list for three committed slots, pickled as
+  ``all_gather_object`` pickles it (which pads every rank's to the largest: each rank receives world x largest), and
+  :func:`~moc_lightning.memory.recovery.plan_recovery` over all of them.
+- ``snapshot_collectives`` / ``snapshot_collective_bytes``: what the training thread sends per snapshot, counted by
+  running :meth:`~moc_lightning.pec.tokens.TokenAccounting.mark_step` (the snapshot's one collective, which also
+  carries the persist agreement) against a recording stand-in of ``torch.distributed`` of the simulated size.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import pickle
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from moc_lightning.config import CheckpointConfig
+from moc_lightning.engine.manifest import CheckpointRecord, Manifest
+from moc_lightning.engine.selection import SequentialSelection
+from moc_lightning.engine.slots import param_key, state_key
+from moc_lightning.engine.units import DenseUnit, ExpertUnit, Unit
+from moc_lightning.memory.recovery import SlotInventory, plan_recovery
+from moc_lightning.memory.snapshot import NUM_SLOTS
+from moc_lightning.pec.commit import ManifestCommit
+from moc_lightning.pec.stored import MANIFEST
+from moc_lightning.pec.tokens import TokenAccounting
+from moc_lightning.pec.write_plan import zero_weights_ownership
+from moc_lightning.sharding.ownership import (
+    Ownership,
+    ShardingUnit,
+    Topology,
+    forget_plans,
+)
+from moc_lightning.sharding.planner import MoCSavePlanner, shard_rows
+from moc_lightning.sharding.zero import lpt_owners
+from moc_lightning.storage.filesystem import ChecksummedStorageInfo, FilesystemStorage
+from moc_lightning.storage.integrity import metadata_bytes
+from moc_lightning.tools.moe_shapes import (
+    DeepSeekV3Shape,
+    GptMoeShape,
+    MoeShape,
+    TensorShapes,
+    numel,
+)
+
+WEIGHT_DTYPE = torch.bfloat16
+STATE_DTYPE = torch.float32
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+"""Adam's state of a bf16 parameter under ZeRO (:class:`~moc_lightning.sharding.zero.ZeroAdamW`), besides ``step``."""
+ITEM_CAP = 600_000
+"""Write items above which the simulated DCP plans are not built (about 1 KB of Python objects each)."""
+TARGETS = {
+    "plan_s": 1.0,
+    "coordinator_plan_s": 10.0,
+    "recovery_plan_s": 5.0,
+    "recovery_exchange_bytes": 1e9,
+}
+"""Issue 30's targets at 16,384 ranks, DeepSeek-V3-shaped, K = N (and snapshot bytes independent of world size)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the control plane sees it: its units' tensor shapes, expert counts and EP degree."""
+
+    name: str
+    shape: MoeShape
+    ep: int
+
+    @property
+    def num_experts(self) -> tuple[int, ...]:
+        return (self.shape.experts,) * len(self.shape.moe_layers)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gpt350m16e": ModelSpec("GPT-350M-16E", GptMoeShape(), ep=16),
+    "deepseekv3": ModelSpec("DeepSeek-V3-shaped", DeepSeekV3Shape(), ep=64),
+}
+"""GPT-350M-16E (Table 2's model; EP 16 at the simulated sizes, its expert count) and DeepSeek-V3 (EP 64)."""
+
+
+class _Model:
+    """The engine's view of one model: unit keys, their tensors' state-dict keys and shapes, sizes and rows."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        shape = spec.shape
+        self.dense: list[tuple[Unit, TensorShapes]] = [(DenseUnit(n), t) for n, t in shape.dense_tensors()]
+        self.expert_tensors = shape.expert_tensors()
+        self.experts = [ExpertUnit(layer, e) for layer, n in enumerate(spec.num_experts) for e in range(n)]
+
+    def tensors(self, unit: Unit) -> TensorShapes:
+        return self.expert_tensors if isinstance(unit, ExpertUnit) else dict(self.dense)[unit]
+
+    def weight_bytes(self, unit: Unit) -> int:
+        return numel(self.tensors(unit)) * WEIGHT_DTYPE.itemsize
+
+    def state_bytes(self, unit: Unit) -> int:
+        """fp32 master and moments of every parameter, and its fp32 ``step`` (ZeroAdamW.state_nbytes)."""
+        tensors = self.tensors(unit)
+        return numel(tensors) * STATE_DTYPE.itemsize * len(STATE_NAMES) + STATE_DTYPE.itemsize * len(tensors)
+
+    def rows(self, unit: Unit) -> int:
+        """The longest dim 0 of the unit's tensors, as the write plan splits units."""
+        return max(shape[0] for _, shape in self.tensors(unit))
+
+    def weights_unit(self, unit: Unit, topology: Topology) -> ShardingUnit:
+        """The unit's weights as :meth:`WritePlan._sharding_unit` builds them (rows, bytes per row, holders)."""
+        rows = self.rows(unit)
+        row_bytes = max(1, math.ceil(self.weight_bytes(unit) / rows))
+        if isinstance(unit, DenseUnit):
+            return ShardingUnit(unit.key, "dense", rows, row_bytes, topology.ranks())
+        assert isinstance(unit, ExpertUnit)
+        holders = topology.replicas(unit.expert // (self.spec.shape.experts // topology.ep))
+        return ShardingUnit(unit.key, "expert", rows, row_bytes, holders, layer=unit.layer, expert=unit.expert)
+
+    def meta(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """The unit's weights and ZeRO state as meta tensors under the engine's state-dict keys (no memory)."""
+        out: dict[str, torch.Tensor] = {}
+        for local, shape in self.tensors(unit):
+            out[param_key(unit, local)] = torch.empty(shape, dtype=WEIGHT_DTYPE, device="meta")
+            for name in STATE_NAMES:
+                out[state_key(unit, local, name)] = torch.empty(shape, dtype=STATE_DTYPE, device="meta")
+            out[state_key(unit, local, "step")] = torch.empty((), dtype=STATE_DTYPE, device="meta")
+        return out
+
+
+def _selections(spec: ModelSpec, k: int, count: int) -> list[tuple[tuple[int, ...], ...]]:
+    """The experts of the first ``count`` checkpoints of the sequential selection (snapshot = persist, K each)."""
+    policy = SequentialSelection(num_experts=list(spec.num_experts), ep_degree=spec.ep)
+    return [policy.select(index, k, k).persist for index in range(count)]
+
+
+def _units(model: _Model, selection: Sequence[Sequence[int]]) -> list[Unit]:
+    return [unit for unit, _ in model.dense] + [ExpertUnit(layer, e) for layer, es in enumerate(selection) for e in es]
+
+
+def _zero_owners(model: _Model, topology: Topology) -> dict[str, int]:
+    """Every unit's ZeRO owner as every EP rank's :func:`partition_by_units` places them: dense over all ranks, then
+    each EP rank's experts over its replicas, from the dense loads (the same on every rank)."""
+    loads = [0] * topology.world_size
+    owners = lpt_owners([(u.key, numel(t)) for u, t in model.dense], topology.ranks(), loads)
+    per_rank = model.spec.shape.experts // topology.ep
+    for ep_rank in range(topology.ep):
+        mine = [(u.key, numel(model.expert_tensors)) for u in model.experts if u.expert // per_rank == ep_rank]
+        owners |= lpt_owners(mine, topology.replicas(ep_rank), list(loads))
+    return owners
+
+
+def _plan(model: _Model, units: Sequence[Unit], owners: Mapping[str, int], topology: Topology) -> Ownership:
+    """One rank's write plan (``WritePlan._zero_writes`` without the tensors): sharding units, then the ownership."""
+    weights = [model.weights_unit(unit, topology) for unit in units]
+    states = [(owners[unit.key], model.state_bytes(unit)) for unit in units]
+    return zero_weights_ownership(weights, states, topology, "adaptive")
+
+
+def time_plan(model: _Model, units: Sequence[Unit], owners: Mapping[str, int], topology: Topology) -> dict[str, Any]:
+    """``plan_s`` (uncached, best of two when fast) and ``plan_memory_bytes`` of rank 0's write plan."""
+    seconds = []
+    for _ in range(2):
+        forget_plans()
+        gc.collect()
+        start = time.perf_counter()
+        ownership = _plan(model, units, owners, topology)
+        ownership.writes_of(0)
+        seconds.append(time.perf_counter() - start)
+        if seconds[-1] > 2:
+            break
+    forget_plans()
+    tracemalloc.start()
+    _plan(model, units, owners, topology).writes_of(0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    forget_plans()
+    return {"plan_s": min(seconds), "plan_memory_bytes": peak, "ownership": ownership}
+
+
+def _write_items(ownership: Ownership, model: _Model, owners: Mapping[str, int], dcp_default: bool) -> int:
+    """Write items the ranks' local plans will hold, counted from the ownership without building them."""
+    per_unit = {unit.key: len(model.tensors(u)) for unit, u in zip(ownership.units, _units_of(ownership))}
+    if dcp_default:  # every holder proposes every weight; owners their state (a scalar step per tensor too)
+        weights = sum(len(unit.holders) * per_unit[unit.key] for unit in ownership.units)
+    else:
+        weights = sum(len(shards) * per_unit[unit.key] for unit, shards in zip(ownership.units, ownership.shards))
+    return weights + sum(per_unit.values()) * (len(STATE_NAMES) + 1)
+
+
+def _units_of(ownership: Ownership) -> list[Unit]:
+    return [DenseUnit(u.key.removeprefix("dense/")) if u.kind == "dense" else ExpertUnit(u.layer or 0, u.expert or 0)
+            for u in ownership.units]
+
+
+def _local_plans(
+    ownership: Ownership, model: _Model, owners: Mapping[str, int], dcp_default: bool
+) -> tuple[list[SavePlan], MoCSavePlanner]:
+    """Every simulated rank's local plan from the real planner over meta tensors; the coordinator's planner."""
+    by_rank: dict[int, tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]] = {}
+    units = _units_of(ownership)
+    for unit, sharding, shards in zip(units, ownership.units, ownership.shards):
+        tensors = model.meta(unit)
+        weights = {k: t for k, t in tensors.items() if "/optim/" not in k}
+        state = {k: t for k, t in tensors.items() if "/optim/" in k}
+        holders = sharding.holders if dcp_default else [s.rank for s in shards]
+        for index, rank in enumerate(holders):
+            held, writes = by_rank.setdefault(rank, ({}, {}))
+            held.update(weights)
+            if not dcp_default:
+                for key, tensor in weights.items():
+                    rows = shard_rows(shards[index], sharding.rows, tensor)
+                    if rows is not None:
+                        writes[key] = rows
+        held, writes = by_rank.setdefault(owners[unit.key], ({}, {}))
+        held.update(state)
+        writes.update({k: (0, 1) if t.dim() == 0 else (0, t.shape[0]) for k, t in state.items()})
+    plans, coordinator = [], MoCSavePlanner(None)
+    for rank in range(ownership.topology.world_size):
+        held, writes = by_rank.get(rank, ({}, {}))
+        planner = MoCSavePlanner(None if dcp_default else writes)
+        planner.set_up_planner(held, None, rank == 0)
+        plans.append(planner.create_local_plan())
+        coordinator = planner if rank == 0 else coordinator
+    return plans, coordinator
+
+
+def _sealed_metadata(metadata: Metadata, plans: Sequence[SavePlan]) -> int:
+    """Bytes of the ``.metadata`` :class:`DurableFileSystemWriter` publishes: every item's file, offset, length,
+    checksum, dtype and shape."""
+    results = [[_result(rank, offset, item) for offset, item in enumerate(p.items)] for rank, p in enumerate(plans)]
+    return len(metadata_bytes(metadata, results, None))
+
+
+def _result(rank: int, offset: int, item: WriteItem) -> WriteResult:
+    data = item.tensor_data
+    dtype, shape = (str(data.properties.dtype), tuple(data.chunk.sizes)) if data is not None else ("", ())
+    info = ChecksummedStorageInfo(f"__{rank}_0.distcp", offset, 0, crc32c=0, dtype=dtype, shape=shape)
+    return WriteResult(item.index, 0, info)
+
+
+def coordinator_plan(
+    ownership: Ownership, model: _Model, owners: Mapping[str, int], dcp_default: bool, item_cap: int
+) -> dict[str, Any]:
+    """The coordinator's global plan over every rank's local plan, and ``.metadata``'s size; null above the cap."""
+    items = _write_items(ownership, model, owners, dcp_default)
+    if items > item_cap:
+        return {"items": items, "seconds": None, "metadata_bytes": None}
+    plans, planner = _local_plans(ownership, model, owners, dcp_default)
+    gc.collect()
+    start = time.perf_counter()
+    global_plans, metadata = planner.create_global_plan(plans)
+    seconds = time.perf_counter() - start
+    written = sum(1 for p in global_plans for item in p.items if item.type != WriteItemType.BYTE_IO)
+    return {"items": written, "seconds": seconds, "metadata_bytes": _sealed_metadata(metadata, global_plans)}
+
+
+def _record(model: _Model, selection: Sequence[Sequence[int]], step: int, topology: Topology) -> CheckpointRecord:
+    return CheckpointRecord(
+        name=f"step_{step:08d}", step=step, units=tuple(u.key for u in _units(model, selection)), strategy="adaptive",
+        world_size=topology.world_size, ep=topology.ep, backend="filesystem",
+    )
+
+
+def manifest_and_commit(model: _Model, k: int, topology: Topology) -> dict[str, Any]:
+    """The steady-state manifest (``retention`` records) and the coordinator's commit of one more checkpoint."""
+    retention = CheckpointConfig().retention
+    selections = _selections(model.spec, k, retention + 1)
+    records = [_record(model, s, 10 * (i + 1), topology) for i, s in enumerate(selections)]
+    manifest = Manifest(records=tuple(records[:-1]))
+    new = records[-1]
+    sources = {
+        param_key(unit, local): {"param": f"{unit.key}.{local}", "index": None, "view": None}
+        for unit in _units(model, selections[-1])
+        for local, _ in model.tensors(unit)
+    }
+    description = {"record": new.__dict__, "layout": {"num_experts": list(model.spec.num_experts), "params": sources}}
+    with tempfile.TemporaryDirectory(prefix="moc-scale-") as root:
+        storage = FilesystemStorage(Path(root).as_uri())
+        storage.put(MANIFEST, manifest.to_json())
+        start = time.perf_counter()
+        ManifestCommit(storage, retention).commit(new, lambda: description, None)
+        seconds = time.perf_counter() - start
+        committed = len(Path(root, MANIFEST).read_bytes())
+    return {"manifest_bytes": committed, "commit_s": seconds, "manifest": manifest.with_record(new)}
+
+
+def recovery(model: _Model, k: int, owners: Mapping[str, int], topology: Topology, manifest: Manifest) -> dict[str, Any]:
+    """Every rank's inventory of ``NUM_SLOTS`` committed slots (the units whose ZeRO state it keeps, of three
+    consecutive snapshots), the bytes ``all_gather_object`` moves, and the plan from all of them."""
+    per_rank: dict[int, list[SlotInventory]] = {rank: [] for rank in topology.ranks()}
+    for slot, selection in enumerate(_selections(model.spec, k, NUM_SLOTS)):
+        mine: dict[int, list[str]] = {}
+        for unit in _units(model, selection):
+            mine.setdefault(owners[unit.key], []).append(unit.key)
+        for rank, keys in mine.items():
+            per_rank[rank].append(SlotInventory(rank, slot, 100 + slot, frozenset(keys)))
+    sizes = [len(pickle.dumps(items)) for items in per_rank.values()]
+    everything = [item for items in per_rank.values() for item in items]
+    start = time.perf_counter()
+    plan = plan_recovery([u.key for u, _ in model.dense], [u.key for u in model.experts], everything, manifest)
+    seconds = time.perf_counter() - start
+    assert plan is not None, "the newest slots hold every dense unit"
+    return {
+        "inventory_bytes_per_rank": max(sizes),
+        "inventory_bytes_mean": sum(sizes) / len(sizes),
+        "recovery_exchange_bytes": max(sizes) * topology.world_size,
+        "recovery_plan_s": seconds,
+    }
+
+
+@contextmanager
+def recorded_collectives(world_size: int) -> Iterator[list[tuple[str, int]]]:
+    """``torch.distributed`` as a rank of ``world_size`` sees it, recording each collective and its bytes per rank."""
+    sent: list[tuple[str, int]] = []
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        sent.append(("all_reduce", tensor.numel() * tensor.element_size()))
+
+    with (
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_backend", return_value="gloo"),
+        mock.patch.object(dist, "get_world_size", return_value=world_size),
+        mock.patch.object(dist, "all_reduce", side_effect=all_reduce),
+    ):
+        yield sent
+
+
+def snapshot_collectives(spec: ModelSpec, world_size: int) -> dict[str, Any]:
+    """The snapshot's training-thread collective: the token counts and the persist vote, in one all-reduce."""
+    tokens = TokenAccounting(CheckpointConfig(), spec.num_experts, rank=0)
+    with recorded_collectives(world_size) as sent:
+        tokens.mark_step(1, also_sum=[0])
+    return {"snapshot_collectives": len(sent), "snapshot_collective_bytes": sum(nbytes for _, nbytes in sent)}
+
+
+def simulate(spec: ModelSpec, world_size: int, k: int, item_cap: int = ITEM_CAP) -> dict[str, Any]:
+    """One row of the report: ``spec`` on ``world_size`` simulated ranks, checkpoints of K experts per layer."""
+    model = _Model(spec)
+    topology = Topology(world_size, spec.ep)
+    start = time.perf_counter()
+    owners = _zero_owners(model, topology)
+    zero_owners_s = time.perf_counter() - start
+    units = _units(model, _selections(spec, k, 1)[0])
+    plan = time_plan(model, units, owners, topology)
+    ours = coordinator_plan(plan["ownership"], model, owners, False, item_cap)
+    dcp = coordinator_plan(plan["ownership"], model, owners, True, item_cap)
+    committed = manifest_and_commit(model, k, topology)
+    return {
+        "model": spec.name,
+        "world_size": world_size,
+        "ep": spec.ep,
+        "k": k,
+        "units": len(units),
+        "plan_s": plan["plan_s"],
+        "plan_on_training_thread": False,
+        "plan_thread": "the persist thread (PersistQueue -> Persister.persist -> WritePlan._zero_writes); under ZeRO "
+        "the snapshot's owners are a lookup of the ZeRO owners on the training thread",
+        "plan_memory_bytes": plan["plan_memory_bytes"],
+        "zero_owners_s": zero_owners_s,
+        "write_items": ours["items"],
+        "coordinator_plan_s": ours["seconds"],
+        "metadata_bytes": ours["metadata_bytes"],
+        "dcp_write_items": dcp["items"],
+        "dcp_coordinator_plan_s": dcp["seconds"],
+        "dcp_metadata_bytes": dcp["metadata_bytes"],
+        "manifest_bytes": committed["manifest_bytes"],
+        "commit_s": committed["commit_s"],
+        **recovery(model, k, owners, topology, committed["manifest"]),
+        **snapshot_collectives(spec, world_size),
+    }
+
+
+def extrapolate(rows: list[dict[str, Any]]) -> None:
+    """Fill ``*_reason`` for every null coordinator figure: a linear extrapolation in write items from the largest
+    measured row of the same model and K (DCP's global plan and its metadata are linear in items)."""
+    for prefix in ("", "dcp_"):
+        for row in rows:
+            if row[f"{prefix}coordinator_plan_s"] is not None:
+                continue
+            measured = [r for r in rows if r["model"] == row["model"] and r["k"] == row["k"]
+                        and r[f"{prefix}coordinator_plan_s"] is not None]
+            items = row[f"{prefix}write_items"]
+            reason = f"not built: {items:,} write items exceed the cap of one process here"
+            if measured:
+                base = max(measured, key=lambda r: r[f"{prefix}write_items"])
+                scale = items / base[f"{prefix}write_items"]
+                reason += (
+                    f"; linear in items from {base['world_size']} ranks: ~{base[f'{prefix}coordinator_plan_s'] * scale:.1f}"
+                    f" s, ~{base[f'{prefix}metadata_bytes'] * scale / 1e9:.2f} GB"
+                )
+            row[f"{prefix}coordinator_plan_reason"] = reason
+
+
+def report(models: Sequence[str], worlds: Sequence[int], ks: Sequence[str], item_cap: int = ITEM_CAP,
+           log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every (model, world, K) row; ``ks``: ``1`` and/or ``N`` (every expert)."""
+    rows = []
+    for name in models:
+        spec = MODELS[name]
+        for k in ks:
+            for world in worlds:
+                experts = spec.shape.experts if k == "N" else int(k)
+                log(f"[scale] {spec.name} world={world} K={k} ...")
+                rows.append(simulate(spec, world, experts, item_cap))
+    extrapolate(rows)
+    return rows
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "null"
+    if unit == "B":
+        return f"{value / 1e6:.2f} MB" if value < 1e9 else f"{value / 1e9:.2f} GB"
+    return f"{value:.3f}" if isinstance(value, float) else f"{value:,}"
+
+
+def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The table: every field per row, then DCP's own planning beside ours."""
+    head = (
+        "| model | world | K | plan_s | plan mem | coord plan_s (ours) | .metadata (ours) | coord plan_s (DCP dedup) "
+        "| .metadata (DCP) | manifest | commit_s | inventory/rank | exchange total | recovery_plan_s | snapshot coll. |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['world_size']:,} | {r['k']} | {_fmt(r['plan_s'])} | {_fmt(r['plan_memory_bytes'], 'B')} "
+            f"| {_fmt(r['coordinator_plan_s'])} | {_fmt(r['metadata_bytes'], 'B')} | {_fmt(r['dcp_coordinator_plan_s'])} "
+            f"| {_fmt(r['dcp_metadata_bytes'], 'B')} | {_fmt(r['manifest_bytes'], 'B')} | {_fmt(r['commit_s'])} "
+            f"| {_fmt(r['inventory_bytes_per_rank'], 'B')} | {_fmt(r['recovery_exchange_bytes'], 'B')} "
+            f"| {_fmt(r['recovery_plan_s'])} | {r['snapshot_collectives']} x {r['snapshot_collective_bytes']} B |"
+        )
+    notes = [f"- {r['model']} {r['world_size']:,} K={r['k']}: {field} null: {r[field + '_reason']}"
+             for r in rows for field in ("coordinator_plan", "dcp_coordinator_plan") if field + "_reason" in r]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def growth(rows: Sequence[Mapping[str, Any]], field: str, model: str, k: int) -> list[tuple[int, int, float, float]]:
+    """(world a, world b, world ratio, ``field`` ratio) between consecutive simulated sizes of one model and K."""
+    ordered = sorted((r for r in rows if r["model"] == model and r["k"] == k), key=lambda r: r["world_size"])
+    return [
+        (a["world_size"], b["world_size"], b["world_size"] / a["world_size"], b[field] / max(a[field], 1e-9))
+        for a, b in itertools.pairwise(ordered)
+    ]
+
+
+def verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The targets at the largest simulated world of DeepSeek-V3-shaped, K = N: met or missed, with the figure."""
+    target = [r for r in rows if r["model"] == MODELS["deepseekv3"].name and r["k"] == 256]
+    if not target:
+        return ["- targets: DeepSeek-V3-shaped with K=N not in this run"]
+    row = max(target, key=lambda r: r["world_size"])
+    lines = [f"Targets at {row['world_size']:,} ranks (DeepSeek-V3-shaped, K=N):"]
+    for field, bound in TARGETS.items():
+        value = row[field]
+        if value is None:
+            lines.append(f"- {field} <= {bound:g}: unmeasured ({row.get('coordinator_plan_reason', '')})")
+            continue
+        lines.append(f"- {field} = {value:,.3f} vs <= {bound:g}: {'met' if value <= bound else 'MISSED'}")
+    lines.append(f"- plan off the training thread: {'met' if not row['plan_on_training_thread'] else 'MISSED'}")
+    sizes = {r["snapshot_collective_bytes"] for r in target}
+    lines.append(f"- snapshot collective bytes independent of world size: {'met' if len(sizes) == 1 else 'MISSED'} "
+                 f"({sorted(sizes)} B over {len(target)} sizes)")
+    return lines
+
+
+CALIBRATION = ModelSpec("GPT-MoE small", GptMoeShape(layers=4, hidden=64, experts=8, vocab=512, seq_len=64), ep=2)
+"""The model of the calibration runs: small enough that every rank holds real tensors of it."""
+
+
+class _TimedSavePlanner(MoCSavePlanner):
+    """The engine's planner, timing the coordinator's global plan of a real ``dcp.save``."""
+
+    global_plan_s: float | None = None
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        start = time.perf_counter()
+        result = super().create_global_plan(all_plans)
+        self.global_plan_s = time.perf_counter() - start
+        return result
+
+
+def _calibration_rank(k: int, root: str) -> dict[str, Any]:
+    """One gloo rank of a calibration run: the same steps as :func:`simulate`, with real tensors and collectives."""
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, topology = _Model(CALIBRATION), Topology(world, CALIBRATION.ep)
+    owners = _zero_owners(model, topology)
+    units = _units(model, _selections(CALIBRATION, k, 1)[0])
+    start = time.perf_counter()
+    ownership = _plan(model, units, owners, topology)
+    writes: dict[str, tuple[int, int]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for sharding, shard in ownership.writes_of(rank):
+        unit = _units_of(ownership)[ownership.units.index(sharding)]
+        for key, meta in model.meta(unit).items():
+            if "/optim/" not in key and (rows := shard_rows(shard, sharding.rows, meta)) is not None:
+                writes[key] = rows
+    plan_s = time.perf_counter() - start
+    for unit in units:
+        held = isinstance(unit, DenseUnit) or rank in model.weights_unit(unit, topology).holders
+        for key, meta in model.meta(unit).items():
+            is_state = "/optim/" in key
+            if (is_state and owners[unit.key] == rank) or (held and not is_state):
+                state[key] = torch.zeros(meta.shape, dtype=meta.dtype)
+                if is_state:
+                    writes[key] = (0, 1) if meta.dim() == 0 else (0, meta.shape[0])
+    planner = _TimedSavePlanner(writes)
+    storage = FilesystemStorage(root)
+    dcp.save(state, storage_writer=storage.writer(f"w{world}k{k}"), planner=planner)
+    mine: list[SlotInventory] = []
+    for slot, selection in enumerate(_selections(CALIBRATION, k, NUM_SLOTS)):
+        keys = frozenset(u.key for u in _units(model, selection) if owners[u.key] == rank)
+        if keys:
+            mine.append(SlotInventory(rank, slot, 100 + slot, keys))
+    gathered: list[Any] = [None] * world
+    start = time.perf_counter()
+    dist.all_gather_object(gathered, mine)
+    exchange_s = time.perf_counter() - start
+    sizes = [len(pickle.dumps(items)) for items in gathered]
+    selection = _selections(CALIBRATION, k, 1)[0]
+    manifest = Manifest(records=(_record(model, selection, 100, topology),))
+    start = time.perf_counter()
+    plan_recovery([u.key for u, _ in model.dense], [u.key for u in model.experts],
+                  [i for items in gathered for i in items], manifest)
+    recovery_plan_s = time.perf_counter() - start
+    sent: list[int] = []
+    real_all_reduce = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(tensor.numel() * tensor.element_size())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    with mock.patch.object(dist, "all_reduce", side_effect=counted):
+        TokenAccounting(CheckpointConfig(), CALIBRATION.num_experts, rank).mark_step(1, also_sum=[0])
+    metadata = Path(storage.root, f"w{world}k{k}", ".metadata")
+    dist.barrier()
+    dist.destroy_process_group()
+    return {
+        "plan_s": plan_s,
+        "coordinator_plan_s": planner.global_plan_s,
+        "metadata_bytes": metadata.stat().st_size if rank == 0 else None,
+        "inventory_bytes_per_rank": max(sizes),
+        "recovery_exchange_bytes": max(sizes) * world,
+        "recovery_exchange_s": exchange_s,
+        "recovery_plan_s": recovery_plan_s,
+        "snapshot_collectives": len(sent),
+        "snapshot_collective_bytes": sum(sent),
+    }
+
+
+CALIBRATED = ("plan_s", "coordinator_plan_s", "metadata_bytes", "inventory_bytes_per_rank", "recovery_exchange_bytes",
+              "recovery_plan_s", "snapshot_collectives", "snapshot_collective_bytes")
+
+
+def calibrate(worlds: Sequence[int] = (2, 4, 8), log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Real gloo runs of ``worlds`` processes of the calibration model beside its simulation at the same sizes; a
+    figure measured on several ranks is the slowest or largest rank's (the coordinator's for the global plan)."""
+    from moc_lightning.runtime.launch import standalone
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moc-calibrate-") as root:
+        for world in worlds:
+            for k in (1, CALIBRATION.shape.experts):
+                log(f"[scale] calibration: {world} gloo ranks, K={k} ...")
+                ranks = standalone(_calibration_rank, (k, root), nproc=world)
+                measured = {f: max(r[f] for r in ranks.values() if r[f] is not None) for f in CALIBRATED}
+                simulated = simulate(CALIBRATION, world, k)
+                rows.append({"world_size": world, "k": k, "measured": measured,
+                             "simulated": {f: simulated[f] for f in CALIBRATED}})
+    return rows
+
+
+def calibration_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = ["| world | K | field | measured (gloo) | simulated |", "|---|---|---|---|---|"]
+    for row in rows:
+        for field in CALIBRATED:
+            lines.append(f"| {row['world_size']} | {row['k']} | {field} | {_fmt(row['measured'][field])} "
+                         f"| {_fmt(row['simulated'][field])} |")
+    return "\n".join(lines)
