@@ -30,13 +30,23 @@ def main(argv: Sequence[str]) -> None:
     args = parse_key_values(
         argv,
         {"out", "worlds", "models", "ks", "calibrate", "item_cap"},
-        defaults={"worlds": "64,512,4096,16384", "models": "gpt350m16e,deepseekv3", "ks": "1,N", "calibrate": "1",
-                  "item_cap": str(ITEM_CAP)},
+        defaults={
+            "worlds": "64,512,4096,16384",
+            "models": "gpt350m16e,deepseekv3",
+            "ks": "1,N",
+            "calibrate": "1",
+            "item_cap": str(ITEM_CAP),
+        },
         required=["out"],
     )
     log = lambda line: print(line, file=sys.stderr, flush=True)
-    rows = report(args["models"].split(","), [int(w) for w in args["worlds"].split(",")], args["ks"].split(","),
-                  int(args["item_cap"]), log)
+    rows = report(
+        args["models"].split(","),
+        [int(w) for w in args["worlds"].split(",")],
+        args["ks"].split(","),
+        int(args["item_cap"]),
+        log,
+    )
     calibration = calibrate(log=log) if args["calibrate"] == "1" else []
     print("# Scale report: the control plane at simulated world sizes (ZeRO-2 + EP, bf16 + fp32 master/moments)\n")
     print(markdown(rows))

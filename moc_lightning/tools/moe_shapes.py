@@ -79,7 +79,8 @@ class GptMoeShape:
         norm = (("ln.weight", (h,)), ("ln.bias", (h,)))
         attn = (*norm, ("qkv.weight", (3 * h, h)), ("qkv.bias", (3 * h,)), ("proj.weight", (h, h)), ("proj.bias", (h,)))
         modules: list[tuple[str, TensorShapes]] = [
-            ("wte", (("weight", (self.vocab, h)),)), ("wpe", (("weight", (self.seq_len, h)),))
+            ("wte", (("weight", (self.vocab, h)),)),
+            ("wpe", (("weight", (self.seq_len, h)),)),
         ]
         for layer in range(self.layers):
             modules.append((f"layers.{layer}.attn", attn))
