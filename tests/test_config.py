@@ -164,6 +164,13 @@ def test_checkpoint_config_validates_without_hydra() -> None:
     assert CheckpointConfig(k_snapshot=4, k_persist=4).k_persist == 4
 
 
+def test_an_s3_store_and_its_endpoint_compose() -> None:
+    storage = ["checkpoint.storage.backend=tensorstore", "checkpoint.storage.url=s3://bucket/run1",
+               "checkpoint.storage.endpoint=http://minio.cluster:9000"]  # fmt: skip
+    cfg = to_train_config(_compose(storage)).checkpoint.storage
+    assert (cfg.backend, cfg.url, cfg.endpoint) == ("tensorstore", "s3://bucket/run1", "http://minio.cluster:9000")
+    assert to_train_config(_compose([])).checkpoint.storage.endpoint == "", "empty: the AWS environment's"
+
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_replay_mode_composes_under_ddp(devices: int) -> None:
