@@ -191,7 +191,8 @@ def silent_endpoint() -> Iterator[str]:
 @pytest.mark.parametrize(("kind", "named_by"), [("refused", "AWS_ENDPOINT_URL"), ("silent", "AWS_ENDPOINT_URL"),
                                                ("refused", "checkpoint.storage.endpoint")])  # fmt: skip
 def test_an_endpoint_that_does_not_answer_fails_in_bounded_time_naming_it(
-    kind: str, named_by: str, silent_endpoint: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    kind: str, named_by: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Failed before issue 31: TensorStore's open of ``s3://`` waited with no end (the silent endpoint) and the URL
     form ignored ``AWS_ENDPOINT_URL`` altogether."""
@@ -200,7 +201,7 @@ def test_an_endpoint_that_does_not_answer_fails_in_bounded_time_naming_it(
             s.bind(("127.0.0.1", 0))
             endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
     else:
-        endpoint = silent_endpoint
+        endpoint = request.getfixturevalue("silent_endpoint")
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     if named_by == "AWS_ENDPOINT_URL":
