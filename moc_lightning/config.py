@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from moc_lightning.engine.parts import SCOPES as PEC_SCOPES
 from moc_lightning.sharding.ownership import STRATEGIES as SHARDING_STRATEGIES
+from moc_lightning.storage.location import parse_endpoint
 
 SELECTION_POLICIES = ("sequential", "load_aware")
 STORAGE_BACKENDS = ("filesystem", "tensorstore")
@@ -49,10 +51,24 @@ class StorageConfig:
     backend: str = "filesystem"
     """``filesystem`` (DCP's file writer; local or shared file system) or ``tensorstore`` (zarr v3 arrays)."""
     url: str = ""
-    """Checkpoint location, e.g. ``file:///scratch/run1/ckpt``; empty means ``<run output dir>/checkpoints``."""
+    """Checkpoint location, e.g. ``file:///scratch/run1/ckpt`` or (``tensorstore``) ``s3://bucket/run1``; empty means
+    ``<run output dir>/checkpoints``."""
+    endpoint: str = ""
+    """An S3-compatible store's endpoint, ``http(s)://host[:port]`` (MinIO, Ceph, R2, a local test server), for an
+    ``s3://`` URL on the ``tensorstore`` backend. Empty: ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` as boto3
+    reads them, else AWS itself. An option because TensorStore ignores those variables and a job's environment is
+    not always the user's to set; keys never go here (the AWS environment or a profile holds them)."""
 
     def __post_init__(self) -> None:
         _require_choice("checkpoint.storage.backend", self.backend, STORAGE_BACKENDS)
+        if self.endpoint:
+            parse_endpoint(self.endpoint, "checkpoint.storage.endpoint")
+            if self.backend != "tensorstore" or urlparse(self.url).scheme != "s3":
+                raise ValueError(
+                    f"checkpoint.storage.endpoint={self.endpoint!r} is for an S3-compatible store: it needs "
+                    f"checkpoint.storage.backend=tensorstore and checkpoint.storage.url=s3://BUCKET/path, not "
+                    f"backend={self.backend!r} and url={self.url!r}; leave it empty otherwise"
+                )
 
 
 @dataclass

@@ -25,9 +25,11 @@ from typing import IO
 import boto3
 
 CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "moc-test-key", "AWS_SECRET_ACCESS_KEY": "moc-test-secret-7f3a", "AWS_REGION": "us-east-1"
+    "AWS_ACCESS_KEY_ID": "moc-test-key", "AWS_SECRET_ACCESS_KEY": "moc-test-secret-7f3a",
+    "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
 }  # fmt: skip
-"""Test credentials: moto takes any; the secret is distinctive so that a test can look for it where it must not be."""
+"""Test credentials and region (both variables: the SDKs and tools differ in which they read): moto takes any keys;
+these are distinctive so that a test can look for them where they must not be."""
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,9 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.sharding=zero"], "checkpoint.sharding='zero' is not allowed"),
         (["checkpoint.pec_scope=WO"], "checkpoint.pec_scope='WO' is not allowed; choose one of: both, optimizer, weights"),
         (["checkpoint.storage.backend=s3"], "checkpoint.storage.backend='s3' is not allowed"),
+        (["checkpoint.storage.endpoint=http://127.0.0.1:9000"], "checkpoint.storage.endpoint='http://127.0.0.1:9000' is for an S3-compatible store: it needs checkpoint.storage.backend=tensorstore and checkpoint.storage.url=s3://BUCKET/path, not backend='filesystem' and url=''"),
+        (["checkpoint.storage.backend=tensorstore", "checkpoint.storage.url=s3://b/run", "checkpoint.storage.endpoint=minio:9000"], "checkpoint.storage.endpoint='minio:9000' is not an endpoint; give http(s)://host[:port]"),
+        (["checkpoint.storage.backend=tensorstore", "checkpoint.storage.url=s3://b/run", "checkpoint.storage.endpoint=http://minio:9000/s3"], "checkpoint.storage.endpoint='http://minio:9000/s3' is not an endpoint"),
         (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
         (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),
         (["trainer.data_parallel=zero3"], "trainer.data_parallel='zero3' is not supported; choose one of: ddp, zero2, fsdp2, hsdp"),
@@ -160,6 +163,13 @@ def test_checkpoint_config_validates_without_hydra() -> None:
         CheckpointConfig(retention=0)
     assert CheckpointConfig(k_snapshot=4, k_persist=4).k_persist == 4
 
+
+def test_an_s3_store_and_its_endpoint_compose() -> None:
+    storage = ["checkpoint.storage.backend=tensorstore", "checkpoint.storage.url=s3://bucket/run1",
+               "checkpoint.storage.endpoint=http://minio.cluster:9000"]  # fmt: skip
+    cfg = to_train_config(_compose(storage)).checkpoint.storage
+    assert (cfg.backend, cfg.url, cfg.endpoint) == ("tensorstore", "s3://bucket/run1", "http://minio.cluster:9000")
+    assert to_train_config(_compose([])).checkpoint.storage.endpoint == "", "empty: the AWS environment's"
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -81,7 +81,8 @@ def _wrap_storage(monkeypatch: pytest.MonkeyPatch, before: Callable[[int], None]
     """Every storage the callback opens during the patch puts its windows through the returned :class:`WindowPuts`."""
     puts = WindowPuts(before)
     monkeypatch.setattr(
-        "moc_lightning.lightning.engines.make_storage", lambda backend, url: SlowableStorage(make_storage(backend, url), puts)
+        "moc_lightning.lightning.engines.make_storage",
+        lambda backend, url, endpoint: SlowableStorage(make_storage(backend, url, endpoint), puts),
     )
     return puts
 

@@ -1,8 +1,10 @@
 """Checkpoints on ``s3://`` against a live S3-protocol server (moto, started by the ``s3_server`` fixture), as on a
 local directory: persists, a resume after the loss of the node (everything from the bucket), ``moc-consolidate``
-reading it, ``resume=never`` refusing a bucket that holds another lineage; and the
-endpoint named by the standard AWS environment, with a bounded wait where it does not answer (issue 31, item 1).
-Replay windows in a bucket: ``test_replay_lightning.py``, beside the uninterrupted run it is held to.
+reading it, ``resume=never`` refusing a bucket that holds another lineage; and the endpoint, named by
+``checkpoint.storage.endpoint`` or the standard AWS environment, with a bounded wait where it does not answer (issue
+31, item 1). Elsewhere: replay windows in a bucket in ``test_replay_lightning.py``, beside the uninterrupted run it is
+held to; the storage round trips on ``s3://`` and two ranks' row ranges read whole by one process (resharding, at the
+storage level) in the ``s3`` cases of ``test_storage.py``.
 
 The run on the bucket is held to the same run on a local directory (same seed and options): the same recovery,
 bitwise, and the same PLT."""
@@ -26,6 +28,7 @@ from s3_server import CREDENTIALS, S3Server
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.engine.manifest import Manifest
 from moc_lightning.export.consolidate import main as consolidate
+from moc_lightning.models import GPTMoEConfig
 from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.storage import location, make_storage
 from moc_lightning.storage.location import s3_spec
@@ -36,36 +39,46 @@ CRASH, MAX_STEPS = 7, 8
 PERSISTED = (2, 6)
 """The steps whose snapshots are persisted before the crash (snapshots every 2 steps, every second one persisted):
 the versions a recovery from storage can report, which the recorder keeps."""
+MODEL = GPTMoEConfig(block_size=16, n_layer=2, n_embd=32, n_head=2, num_experts=4)
+"""One MoE layer of 4 experts: every tensor is its own object in the bucket and each costs requests (moto answers a
+few hundred a second here), so the fewer the faster."""
+SECRETS = (CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
 
 
-def _config(tmp_path: Path, url: str, **kw: object) -> CheckpointConfig:
-    """PEC, K=1 of 8 experts: snapshots every 2 steps, every second one persisted, on the tensorstore backend."""
+def _config(tmp_path: Path, url: str, endpoint: str = "", **kw: object) -> CheckpointConfig:
+    """PEC, K=1 of 4 experts: snapshots every 2 steps, every second one persisted, on the tensorstore backend."""
     config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=2, k_snapshot=2, k_persist=1, **kw)
-    return replace(config, storage=StorageConfig(backend="tensorstore", url=url))
+    return replace(config, storage=StorageConfig(backend="tensorstore", url=url, endpoint=endpoint))
 
 
-def _node_loss(tmp_path: Path, url: str) -> tuple[Recorder, Recorder, object]:
+def _node_loss(tmp_path: Path, url: str, endpoint: str = "") -> tuple[Recorder, Recorder, object]:
     """Train, crash after step ``CRASH``, lose the node's shared memory, resume: everything comes from ``url``."""
     tmp_path.mkdir(exist_ok=True)
-    first = Recorder(at=PERSISTED, crash_after=CRASH)
-    fit_or_crash(tmp_path, _config(tmp_path, url), MAX_STEPS, first, [DrainPersists()])
+    config = _config(tmp_path, url, endpoint)
+    first = Recorder(at=PERSISTED, crash_after=CRASH, model=MODEL)
+    fit_or_crash(tmp_path, config, MAX_STEPS, first, [DrainPersists()], model=MODEL)
     shutil.rmtree(tmp_path / "shm")
-    resumed = Recorder()
-    moc = fit_or_crash(tmp_path, _config(tmp_path, url), MAX_STEPS, resumed, [DrainPersists()])
+    resumed = Recorder(model=MODEL)
+    moc = fit_or_crash(tmp_path, config, MAX_STEPS, resumed, [DrainPersists()], model=MODEL)
     return first, resumed, moc
 
 
 @pytest.mark.slow
 def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
-    s3_server: S3Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    s3_server: S3Server, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """And ``moc-consolidate`` reads the bucket as it reads the directory; ``resume=never`` refuses the bucket; a
+    """The endpoint named by ``checkpoint.storage.endpoint`` alone (no ``AWS_ENDPOINT_URL``): training, the resume,
+    ``moc-consolidate --endpoint`` and the damaged-object fallback all reach the store it names.
+
+    And ``moc-consolidate`` reads the bucket as it reads the directory; ``resume=never`` refuses the bucket; a
     chunk object of the newest checkpoint cut short in the bucket behind MoC's back (a partial overwrite, a bad copy)
     fails its CRC32C, so the next resume drops that checkpoint, says so, and takes every unit from the one before,
-    bitwise; nothing of the damaged checkpoint is loaded."""
+    bitwise; nothing of the damaged checkpoint is loaded. No key is printed or stored."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    endpoint = s3_server.endpoint
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/run"
-    first, resumed, moc = _node_loss(tmp_path / "s3", url)
+    first, resumed, moc = _node_loss(tmp_path / "s3", url, endpoint)
     local_first, local_resumed, local_moc = _node_loss(tmp_path / "local", (tmp_path / "local" / "ckpt").as_uri())
 
     report, local = moc.recovery, local_moc.recovery
@@ -77,7 +90,7 @@ def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
     assert all(torch.equal(resumed.start[k], local_resumed.start[k]) for k in local_resumed.start)
 
     out, local_out = tmp_path / "s3.ckpt", tmp_path / "local.ckpt"
-    consolidate([url, "--out", str(out), "--format", "lightning"])
+    consolidate([url, "--endpoint", endpoint, "--out", str(out), "--format", "lightning"])
     consolidate([(tmp_path / "local" / "ckpt").as_uri(), "--out", str(local_out), "--format", "lightning"])
     dense, local_dense = torch.load(out, weights_only=True), torch.load(local_out, weights_only=True)
     assert dense["state_dict"].keys() == local_dense["state_dict"].keys()
@@ -85,29 +98,36 @@ def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
 
     # a bucket cannot be moved aside as a local root is: a new lineage there is refused, before training
     with pytest.raises(ValueError, match=r"checkpoint\.storage\.url=s3://.* holds lineage .* cannot be moved aside"):
-        fit(tmp_path / "s3", _config(tmp_path / "s3", url, resume="never"), MAX_STEPS, [])
+        fit(tmp_path / "s3", _config(tmp_path / "s3", url, endpoint, resume="never"), MAX_STEPS, [], model=MODEL)
 
-    records = Manifest.from_json(make_storage("tensorstore", url).get(MANIFEST) or b"").records
+    storage = make_storage("tensorstore", url, endpoint)
+    stored = storage.get(MANIFEST) or b""
+    records = Manifest.from_json(stored).records
     newest, before = records[-1], records[-2]
-    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    stored += storage.get(f"{newest.name}/moc.json") or b""
+    s3 = boto3.client("s3", endpoint_url=endpoint)
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"run/{newest.name}/").get("Contents", [])]
     chunk = next((k for k in keys if "/c/" in k), None)
     assert chunk is not None, f"no zarr chunk object under {newest.name}: {keys[:5]}"
     body = s3.get_object(Bucket=bucket, Key=chunk)["Body"].read()
     s3.put_object(Bucket=bucket, Key=chunk, Body=body[: len(body) // 2])
     shutil.rmtree(tmp_path / "s3" / "shm")
-    capsys.readouterr()
-    again = Recorder()
-    moc = fit_or_crash(tmp_path / "s3", _config(tmp_path / "s3", url), MAX_STEPS, again, [DrainPersists()])
+    printed = "".join(capfd.readouterr())
+    again = Recorder(model=MODEL)
+    moc = fit_or_crash(
+        tmp_path / "s3", _config(tmp_path / "s3", url, endpoint), MAX_STEPS, again, [DrainPersists()], model=MODEL
+    )
     assert (newest.step, before.step, moc.recovery.resume_step) == (MAX_STEPS, 6, 6), f"{chunk} was cut short"
-    assert newest.name in capsys.readouterr().out, "the fallback is reported"
+    fallback = "".join(capfd.readouterr())
+    assert newest.name in fallback, "the fallback is reported"
     check_sources(first, again, moc.recovery.sources)
+    assert not [s for s in SECRETS if s.encode() in stored or s in printed + fallback], "a key was stored or printed"
 
 
 # ---------------------------------------------------------------- the endpoint
 
 
-def test_the_s3_spec_takes_endpoint_and_region_from_the_environment_and_holds_no_secret(
+def test_the_s3_spec_takes_the_endpoint_from_the_option_else_the_environment_and_holds_no_secret(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.0.0.7:9000/")
@@ -115,14 +135,31 @@ def test_the_s3_spec_takes_endpoint_and_region_from_the_environment_and_holds_no
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
     spec = s3_spec("s3://bucket/runs/a b")
     assert spec == {"driver": "s3", "bucket": "bucket", "path": "runs/a b/", "aws_region": "eu-west-3",
-                    "endpoint": "http://10.0.0.7:9000"}  # fmt: skip
+                    "aws_credentials": {"type": "default"}, "endpoint": "http://10.0.0.7:9000"}  # fmt: skip
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://s3.example.org")
     assert s3_spec("s3://bucket")["endpoint"] == "https://s3.example.org", "the S3-specific variable wins"
+    assert s3_spec("s3://bucket", "http://minio:9000")["endpoint"] == "http://minio:9000", "the option wins"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "10.0.0.7:9000")
     with pytest.raises(ValueError, match=r"AWS_ENDPOINT_URL_S3='10.0.0.7:9000' is not an endpoint; give http"):
         s3_spec("s3://bucket")
     with pytest.raises(ValueError, match=r"checkpoint\.storage\.url='s3:///path' names no bucket"):
         s3_spec("s3:///path")
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.endpoint='http://h:x' is not an endpoint"):
+        s3_spec("s3://bucket", "http://h:x")
+
+
+def test_an_endpoint_option_is_checked_where_it_is_built_and_never_repeats_a_key() -> None:
+    StorageConfig(backend="tensorstore", url="s3://bucket/run", endpoint="https://minio.cluster:9000/")
+    secret = CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+    with pytest.raises(ValueError) as err:
+        StorageConfig(backend="tensorstore", url="s3://bucket/run", endpoint=f"http://key:{secret}@minio:9000")
+    assert "checkpoint.storage.endpoint holds credentials in its URL" in str(err.value) and secret not in str(err.value)
+    with pytest.raises(ValueError, match=r"needs checkpoint\.storage\.backend=tensorstore and .*url=s3://BUCKET"):
+        StorageConfig(backend="tensorstore", url="gs://bucket/run", endpoint="http://minio:9000")
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.endpoint='http://minio:9000' needs .*backend="):
+        make_storage("filesystem", "s3://bucket/run", "http://minio:9000")
+    with pytest.raises(ValueError, match=r"checkpoint\.storage\.url='memory://x' is not an s3:// URL"):
+        make_storage("tensorstore", "memory://x", "http://minio:9000")
 
 
 @pytest.fixture
@@ -151,26 +188,31 @@ def silent_endpoint() -> Iterator[str]:
         s.close()
 
 
-@pytest.mark.parametrize("kind", ["refused", "silent"])
+@pytest.mark.parametrize(("kind", "named_by"), [("refused", "AWS_ENDPOINT_URL"), ("silent", "AWS_ENDPOINT_URL"),
+                                               ("refused", "checkpoint.storage.endpoint")])  # fmt: skip
 def test_an_endpoint_that_does_not_answer_fails_in_bounded_time_naming_it(
-    kind: str, silent_endpoint: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    kind: str, named_by: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    """Failed before this change: TensorStore's open of ``s3://`` waited with no end (the silent endpoint) and the
-    URL form ignored ``AWS_ENDPOINT_URL`` altogether."""
+    """Failed before issue 31: TensorStore's open of ``s3://`` waited with no end (the silent endpoint) and the URL
+    form ignored ``AWS_ENDPOINT_URL`` altogether."""
     if kind == "refused":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
     else:
-        endpoint = silent_endpoint
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+        endpoint = request.getfixturevalue("silent_endpoint")
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    if named_by == "AWS_ENDPOINT_URL":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setattr(location, "ENDPOINT_TIMEOUT_S", 2.0)
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
-        make_storage("tensorstore", "s3://bucket/run")
+        make_storage("tensorstore", "s3://bucket/run", endpoint if named_by.startswith("checkpoint") else "")
     waited = time.monotonic() - start
     message = str(err.value)
-    assert f"AWS_ENDPOINT_URL={endpoint}" in message and "did not answer within 2 s" in message, message
+    assert f"the S3 endpoint {endpoint} (from {named_by}) did not answer within 2 s" in message, message
+    assert "name the one to use with checkpoint.storage.endpoint or AWS_ENDPOINT_URL" in message, message
     assert waited < 10, f"waited {waited:.1f} s"
-    assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in message + "".join(capfd.readouterr())
+    assert not [s for s in SECRETS if s in message + "".join(capfd.readouterr())]

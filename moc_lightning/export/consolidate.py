@@ -22,7 +22,7 @@ Every format holds the persistent buffers (a router's ``e_score_correction_bias`
 ``expert_bias``, norm statistics) beside the parameters, as ``state_dict()`` does.
 
 Usage: ``moc-consolidate CHECKPOINT_DIR --out PATH [--format lightning|dcp|safetensors|hf] [--allow-missing]
-[--prefix PREFIX] [--max-shard-size SIZE]``.
+[--prefix PREFIX] [--max-shard-size SIZE] [--endpoint URL]``; ``CHECKPOINT_DIR`` may be an ``s3://`` URL.
 """
 
 from __future__ import annotations
@@ -131,11 +131,12 @@ def plan(manifest: Manifest, num_experts: Sequence[int]) -> Plan:
 class StorageRoot:
     """A MoC storage root opened for reading; each checkpoint is read through the backend that wrote it."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, endpoint: str = "") -> None:
         path = local_path(url)
         if path is not None and not path.is_dir():
             raise ConsolidateError(f"checkpoint directory {url!r} does not exist")
         self.url = url
+        self.endpoint = endpoint
         self._storages: dict[str, CheckpointStorage] = {}
 
     def manifest(self) -> Manifest:
@@ -170,7 +171,10 @@ class StorageRoot:
 
     def _storage(self, backend: str) -> CheckpointStorage:
         if backend not in self._storages:
-            self._storages[backend] = make_storage(backend, self.url)
+            try:
+                self._storages[backend] = make_storage(backend, self.url, self.endpoint)
+            except ValueError as err:  # a bad URL or endpoint, or one that does not answer: one line, no traceback
+                raise ConsolidateError(str(err)) from err
         return self._storages[backend]
 
 
@@ -373,17 +377,19 @@ def consolidate(
     progress: bool = True,
     prefix: str | None = None,
     max_shard_size: str | None = None,
+    endpoint: str = "",
 ) -> dict[str, Any]:
     """Write the newest stored version of every unit of the run under ``url`` as one dense checkpoint.
 
     ``prefix`` and ``max_shard_size`` are options of the ``hf`` format (:func:`write_hf`; ``None``: its
-    default). Returns the provenance written with it: the step, each unit's source step and any missing
+    default). ``endpoint``: an S3-compatible store's, for an ``s3://`` URL, as ``checkpoint.storage.endpoint`` names
+    it (empty: the AWS environment's). Returns the provenance written with it: the step, each unit's source step and any missing
     experts.
     """
     if fmt not in WRITERS:
         raise ConsolidateError(f"--format {fmt!r} is not supported; choose one of: {', '.join(WRITERS)}")
     options = _format_options(fmt, prefix=prefix, max_shard_size=max_shard_size)
-    root = StorageRoot(url)
+    root = StorageRoot(url, endpoint)
     manifest = root.manifest()
     latest = manifest.latest
     assert latest is not None, "StorageRoot.manifest() refuses a manifest that lists no checkpoint"
@@ -446,6 +452,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--max-shard-size",
         help=f"hf: largest safetensors shard, e.g. 500MB or 2GiB (default {hf_format.DEFAULT_MAX_SHARD_SIZE})",
     )
+    parser.add_argument(
+        "--endpoint",
+        default="",
+        help="an s3:// run's S3-compatible endpoint, http(s)://host[:port], as checkpoint.storage.endpoint names it "
+        "(default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS)",
+    )
     args = parser.parse_args(argv)
     try:
         with warnings.catch_warnings():  # DCP warns on every single-process call, which is all this command makes
@@ -457,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 allow_missing=args.allow_missing,
                 prefix=args.prefix,
                 max_shard_size=args.max_shard_size,
+                endpoint=args.endpoint,
             )
     except (ConsolidateError, ManifestError, UnreadableCheckpoint) as err:  # damage included: one line, no traceback
         message = " ".join(str(err).split())

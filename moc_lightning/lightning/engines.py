@@ -33,7 +33,7 @@ from moc_lightning.storage import CheckpointStorage, make_storage
 
 def open_storage(config: CheckpointConfig) -> CheckpointStorage:
     """This run's storage (``checkpoint.storage``)."""
-    return make_storage(config.storage.backend, config.storage.url)
+    return make_storage(config.storage.backend, config.storage.url, config.storage.endpoint)
 
 
 def model_topology(module: L.LightningModule) -> ExpertParallelTopology:

@@ -109,7 +109,8 @@ def fit_summary(config: CheckpointConfig, engine: TwoLevelCheckpointer, windows:
     mode's, which takes no PEC snapshot or persist)."""
     stats, pec = engine.stats, engine.pec
     stall = sum(stats.stall_seconds) / max(1, len(stats.stall_seconds)) * 1000
-    lines = [f"[moc_lightning] checkpoints: {config.storage.url} (snapshots under {config.shm_root})"]
+    at = f" at {config.storage.endpoint}" if config.storage.endpoint else ""
+    lines = [f"[moc_lightning] checkpoints: {config.storage.url}{at} (snapshots under {config.shm_root})"]
     if windows is None:
         lines.append(
             f"[moc_lightning] {stats.snapshots} snapshots, {stats.persists} persists "

@@ -72,14 +72,22 @@ class CheckpointStorage(Protocol):
 __all__ = ["BACKENDS", "CheckpointStorage", "CorruptCheckpointError", "corrupt_from", "find_cause", "make_storage"]
 
 
-def make_storage(backend: str, url: str) -> CheckpointStorage:
-    """The storage named by ``checkpoint.storage.backend`` at ``checkpoint.storage.url``.
+def make_storage(backend: str, url: str, endpoint: str = "") -> CheckpointStorage:
+    """The storage named by ``checkpoint.storage.backend`` at ``checkpoint.storage.url``; ``endpoint``:
+    ``checkpoint.storage.endpoint``, an S3-compatible store's (``tensorstore`` with an ``s3://`` URL only).
 
     The root is opened (and created, when local) here, so a bad option fails before training starts.
     """
     if backend not in BACKENDS:
         raise ValueError(f"checkpoint.storage.backend={backend!r} is not allowed; choose one of: {', '.join(BACKENDS)}")
-    return BACKENDS[backend](url)
+    if not endpoint:
+        return BACKENDS[backend](url)
+    if backend != "tensorstore":
+        raise ValueError(
+            f"checkpoint.storage.endpoint={endpoint!r} needs checkpoint.storage.backend=tensorstore (the backend that "
+            f"writes to s3:// URLs), not {backend!r}"
+        )
+    return TensorStoreStorage(url, endpoint)
 
 
 BACKENDS: dict[str, Callable[[str], CheckpointStorage]] = {

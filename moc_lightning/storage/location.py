@@ -4,10 +4,11 @@ Both backends accept a plain path or a ``file://`` URL for local (or shared, mou
 ``tensorstore`` accepts other schemes (``gs://``, ``s3://``, ...). Errors name the option, since a bad
 URL is a configuration mistake the user fixes in Hydra.
 
-``s3://bucket/path`` is S3 or any S3-compatible store (MinIO, Ceph, R2, ...): the endpoint, region and credentials
-come from the standard AWS environment, as boto3 and the AWS CLI read it (:func:`s3_spec`). TensorStore's own
-``s3://`` URL form ignores ``AWS_ENDPOINT_URL``, and where the endpoint does not answer its open waits forever, so
-the endpoint is asked once, with a bounded wait, before the first open (:func:`check_endpoint`).
+``s3://bucket/path`` is S3 or any S3-compatible store (MinIO, Ceph, R2, ...): the endpoint is
+``checkpoint.storage.endpoint`` or, when that is empty, the standard AWS environment, as boto3 and the AWS CLI read
+it; region and credentials always come from that environment (:func:`s3_spec`). TensorStore's own ``s3://`` URL form
+ignores ``AWS_ENDPOINT_URL``, and where the endpoint does not answer its open waits forever, so the endpoint is asked
+once, with a bounded wait, before the first open (:func:`check_endpoint`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import ParseResult, unquote, urlparse
 
 import tensorstore as ts
 
 URL_OPTION = "checkpoint.storage.url"
+ENDPOINT_OPTION = "checkpoint.storage.endpoint"
 ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Where an S3-compatible store's endpoint is named, most specific first (the AWS SDKs' order)."""
 REGION_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION")
@@ -64,26 +67,31 @@ def open_local_dir(url: str) -> Path:
     return path
 
 
-def kvstore_spec(url: str) -> str | dict[str, Any]:
+def kvstore_spec(url: str, endpoint: str = "") -> str | dict[str, Any]:
     """The TensorStore kvstore spec for a storage root: a ``file`` spec for local paths, an ``s3`` spec for
-    ``s3://`` (:func:`s3_spec`), else the URL itself.
+    ``s3://`` (:func:`s3_spec`; ``endpoint``: ``checkpoint.storage.endpoint``), else the URL itself.
 
     Local paths become a JSON spec rather than a ``file://`` URL so that characters TensorStore would
     percent-decode (``%``, spaces) stay as they are. The trailing ``/`` makes keys children of the root.
     """
+    if urlparse(url).scheme == "s3":
+        return s3_spec(url, endpoint)
+    if endpoint:
+        raise ValueError(
+            f"{ENDPOINT_OPTION}={endpoint!r} names an S3-compatible store, but {URL_OPTION}={url!r} is not an s3:// "
+            f"URL; give {URL_OPTION}=s3://BUCKET/path or leave {ENDPOINT_OPTION} empty"
+        )
     path = local_path(url)
     if path is not None:
         return {"driver": "file", "path": f"{path}/"}
-    if urlparse(url).scheme == "s3":
-        return s3_spec(url)
     return url if url.endswith("/") else f"{url}/"
 
 
-def s3_spec(url: str) -> dict[str, Any]:
-    """The ``s3`` kvstore spec of ``s3://bucket/path``: the endpoint from ``AWS_ENDPOINT_URL_S3`` or
-    ``AWS_ENDPOINT_URL`` (none: AWS itself), the region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, the credentials
-    from TensorStore's default AWS chain (the environment's keys, then the shared files and profile). No secret is
-    in the spec, so it may be logged."""
+def s3_spec(url: str, endpoint: str = "") -> dict[str, Any]:
+    """The ``s3`` kvstore spec of ``s3://bucket/path``: the endpoint of :func:`s3_endpoint` (none: AWS itself), the
+    region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, the credentials from TensorStore's default AWS chain (the
+    environment's keys, then the shared files and profile, then the instance's metadata). The spec names the chain,
+    never a key, so it may be logged and recorded."""
     parsed = urlparse(url)
     if not parsed.netloc:
         raise ValueError(f"{URL_OPTION}={url!r} names no bucket; give s3://BUCKET/path")
@@ -93,56 +101,100 @@ def s3_spec(url: str) -> dict[str, Any]:
         "bucket": parsed.netloc,
         "path": path if not path or path.endswith("/") else f"{path}/",
         "aws_region": _first_set(REGION_VARIABLES) or DEFAULT_REGION,
+        "aws_credentials": {"type": "default"},
     }
-    endpoint = s3_endpoint()
-    if endpoint is not None:
-        spec["endpoint"] = endpoint
+    named = s3_endpoint(endpoint)
+    if named is not None:
+        spec["endpoint"] = named.url
     return spec
 
 
-def s3_endpoint() -> str | None:
-    """The S3-compatible endpoint the environment names, checked to be an ``http(s)://host[:port]`` URL; ``None``
-    for AWS itself."""
-    endpoint = _first_set(ENDPOINT_VARIABLES)
-    if endpoint is None:
+@dataclass(frozen=True)
+class Endpoint:
+    """An S3-compatible store's endpoint and the option or variable that named it, which an error must name too."""
+
+    url: str
+    """``http(s)://host[:port]``, no trailing slash."""
+    source: str
+    """``checkpoint.storage.endpoint`` or the environment variable it came from."""
+
+
+def s3_endpoint(endpoint: str = "") -> Endpoint | None:
+    """The endpoint of an ``s3://`` root: ``endpoint`` (``checkpoint.storage.endpoint``) if given, else
+    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, as the AWS SDKs read them; ``None`` for AWS itself."""
+    if endpoint:
+        return Endpoint(parse_endpoint(endpoint, ENDPOINT_OPTION), ENDPOINT_OPTION)
+    variable = next((v for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
+    if variable is None:
         return None
+    return Endpoint(parse_endpoint(os.environ[variable], variable), variable)
+
+
+def parse_endpoint(endpoint: str, source: str) -> str:
+    """``endpoint`` checked to be ``http(s)://host[:port]`` (an optional trailing ``/`` dropped), else an error naming
+    ``source``. A URL with a user or password is refused without being repeated: keys belong in the AWS
+    environment, where nothing prints them."""
     parsed = urlparse(endpoint)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        variable = next(v for v in ENDPOINT_VARIABLES if os.environ.get(v))
-        raise ValueError(f"{variable}={endpoint!r} is not an endpoint; give http(s)://host[:port]")
-    return endpoint.rstrip("/")
+    if "@" in parsed.netloc:
+        raise ValueError(
+            f"{source} holds credentials in its URL (not repeated here); give http(s)://host[:port] and the keys in "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile)"
+        )
+    if not _is_host_and_port(parsed):
+        raise ValueError(
+            f"{source}={endpoint!r} is not an endpoint; give http(s)://host[:port], e.g. http://minio.cluster:9000"
+        )
+    return f"{parsed.scheme}://{parsed.netloc}"
 
 
-def check_endpoint(url: str, timeout_s: float | None = None) -> None:
-    """For an ``s3://`` root, ask the endpoint for the bucket once and wait at most ``timeout_s``: any HTTP answer
-    (even 403 or 404: TensorStore reports those itself, naming the object) shows a live store; no answer is one
-    error naming the endpoint and where it came from, where TensorStore's open would wait forever. ``timeout_s``:
-    :data:`ENDPOINT_TIMEOUT_S` unless given."""
+def _is_host_and_port(parsed: ParseResult) -> bool:
+    """Whether ``parsed`` is ``http(s)://host[:port]`` with nothing after it but a ``/``; a port that is not a number
+    (reading it raises) is not."""
+    try:
+        parsed.port
+    except ValueError:
+        return False
+    return (
+        parsed.scheme in ("http", "https")
+        and bool(parsed.hostname)
+        and parsed.path in ("", "/")
+        and not (parsed.params or parsed.query or parsed.fragment)
+    )
+
+
+def check_endpoint(url: str, endpoint: str = "", timeout_s: float | None = None) -> None:
+    """For an ``s3://`` root, ask its endpoint (:func:`s3_endpoint`; AWS's regional host when none is named) for the
+    bucket once and wait at most ``timeout_s``: any HTTP answer (even 403 or 404: TensorStore reports those itself,
+    naming the object) shows a live store; none is one error naming the endpoint and the option or variable that
+    named it, where TensorStore's open would wait forever. ``timeout_s``: :data:`ENDPOINT_TIMEOUT_S` unless given.
+    The request carries no credentials."""
     if urlparse(url).scheme != "s3":
         return
     timeout_s = ENDPOINT_TIMEOUT_S if timeout_s is None else timeout_s
-    spec = s3_spec(url)
-    endpoint = spec.get("endpoint") or f"https://s3.{spec['aws_region']}.amazonaws.com"
-    if (endpoint, spec["bucket"]) in _ANSWERED:
+    spec = s3_spec(url, endpoint)
+    named = s3_endpoint(endpoint)
+    address = named.url if named is not None else f"https://s3.{spec['aws_region']}.amazonaws.com"
+    if (address, spec["bucket"]) in _ANSWERED:
         return  # every reader and writer opens the root again: ask once per process
-    request = urllib.request.Request(f"{endpoint}/{spec['bucket']}", method="HEAD")
+    request = urllib.request.Request(f"{address}/{spec['bucket']}", method="HEAD")
     try:
         urllib.request.urlopen(request, timeout=timeout_s).close()
-        _ANSWERED.add((endpoint, spec["bucket"]))
     except urllib.error.HTTPError:
-        _ANSWERED.add((endpoint, spec["bucket"]))  # it answered
+        pass  # it answered
     except (OSError, ValueError) as err:
-        source = next((v for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
-        named = f"{source}={endpoint}" if source else f"{endpoint} (AWS; set AWS_ENDPOINT_URL for another S3 store)"
-        reason = getattr(err, "reason", err)
+        where = f"{address} (from {named.source})" if named is not None else f"{address} (AWS: no endpoint named)"
         raise ValueError(
-            f"{URL_OPTION}={url!r}: the S3 endpoint {named} did not answer within {timeout_s:g} s ({reason})"
+            f"{URL_OPTION}={url!r}: the S3 endpoint {where} did not answer within {timeout_s:g} s "
+            f"({getattr(err, 'reason', err)}); start the store there, or name the one to use with {ENDPOINT_OPTION} "
+            f"or {' / '.join(reversed(ENDPOINT_VARIABLES))}"
         ) from None
+    _ANSWERED.add((address, spec["bucket"]))
 
 
 def kvstore_url(kvstore: ts.KvStore) -> str:
     """The URL of an open kvstore, for messages and DCP's checkpoint id. TensorStore has none for an ``s3`` spec with
-    an endpoint: ``s3://bucket/path`` then, which :func:`kvstore_spec` turns back into the same spec."""
+    an endpoint: ``s3://bucket/path`` then, which :func:`kvstore_spec` turns back into the same spec, given the same
+    endpoint."""
     try:
         return kvstore.url
     except NotImplementedError:
@@ -158,11 +210,13 @@ def _first_set(variables: tuple[str, ...]) -> str | None:
     return next((os.environ[v] for v in variables if os.environ.get(v)), None)
 
 
-def open_kvstore(url: str, context: ts.Context) -> ts.KvStore:
-    """Open the kvstore ``url`` names (``file://``, ``gs://``, ``s3://``, ``memory://``, ...)."""
-    check_endpoint(url)
+def open_kvstore(url: str, context: ts.Context, endpoint: str = "") -> ts.KvStore:
+    """Open the kvstore ``url`` names (``file://``, ``gs://``, ``s3://``, ``memory://``, ...); ``endpoint``:
+    ``checkpoint.storage.endpoint``, for ``s3://`` only."""
+    spec = kvstore_spec(url, endpoint)  # a bad URL or endpoint fails first, in its own words
+    check_endpoint(url, endpoint)
     try:
-        return ts.KvStore.open(kvstore_spec(url), context=context).result()
+        return ts.KvStore.open(spec, context=context).result()
     except ValueError as err:
         raise ValueError(
             f"{URL_OPTION}={url!r} cannot be opened as a TensorStore kvstore "

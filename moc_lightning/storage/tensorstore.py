@@ -1,9 +1,10 @@
 """The ``tensorstore`` backend: every tensor chunk a zarr v3 array on any TensorStore kvstore.
 
-The root URL is a plain path or ``file://`` URL (tested here), or any kvstore URL TensorStore knows
-(``gs://bucket/path``, ``s3://bucket/path``; credentials come from the environment, as TensorStore reads
-them). Checkpoint ``name`` lives under ``<root>/<name>/`` (layout in ``zarr_dcp``). Control objects go
-through the same atomic contract as the filesystem backend: on a local root the very same
+The root URL is a plain path or ``file://`` URL, or any kvstore URL TensorStore knows (``gs://bucket/path``,
+``s3://bucket/path``, the latter tested against a live S3-protocol server; credentials come from the environment, as
+TensorStore reads them, and an S3-compatible store's endpoint from ``checkpoint.storage.endpoint`` or the environment:
+:mod:`~moc_lightning.storage.location`). Checkpoint ``name`` lives under ``<root>/<name>/`` (layout in ``zarr_dcp``).
+Control objects go through the same atomic contract as the filesystem backend: on a local root the very same
 ``LocalObjects`` (so ``delete`` removes directories too), elsewhere single-key kvstore writes.
 """
 
@@ -21,21 +22,22 @@ from moc_lightning.storage.zarr_dcp import TensorStoreReader, TensorStoreWriter
 class TensorStoreStorage:
     """Checkpoints as zarr v3 arrays plus DCP metadata under a kvstore root."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, endpoint: str = "") -> None:
         local_root = open_local_dir(url) if local_path(url) is not None else None
         self.url = local_root.as_uri() if local_root is not None else url
         # One context for the root and every array: shared I/O pools, and for memory:// one shared store.
         self.context = ts.Context()
-        self.kvstore = open_kvstore(self.url, self.context)
+        self.endpoint = endpoint
+        self.kvstore = open_kvstore(self.url, self.context, endpoint)
         self.objects = LocalObjects(local_root) if local_root is not None else KvObjects(self.kvstore)
 
     def writer(self, name: str) -> TensorStoreWriter:
         """A DCP writer for checkpoint ``name``."""
-        return TensorStoreWriter(self.kvstore / f"{name}/", self.context)
+        return TensorStoreWriter(self.kvstore / f"{name}/", self.context, self.endpoint)
 
     def reader(self, name: str) -> TensorStoreReader:
         """A DCP reader for checkpoint ``name``."""
-        return TensorStoreReader(self.kvstore / f"{name}/", self.context)
+        return TensorStoreReader(self.kvstore / f"{name}/", self.context, self.endpoint)
 
     def put(self, name: str, data: bytes) -> None:
         """Atomically write control object ``name``, durable on return."""

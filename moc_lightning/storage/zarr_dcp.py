@@ -137,11 +137,13 @@ def _tensor_data(item: WriteItem) -> TensorWriteData:
 
 
 class CheckpointLocation:
-    """The kvstore prefix of one checkpoint, which DCP may move by passing a ``checkpoint_id``."""
+    """The kvstore prefix of one checkpoint, which DCP may move by passing a ``checkpoint_id``; ``endpoint``
+    (``checkpoint.storage.endpoint``) goes with it, so that an ``s3://`` id reaches the same S3-compatible store."""
 
-    def __init__(self, kvstore: ts.KvStore, context: ts.Context) -> None:
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context, endpoint: str = "") -> None:
         self.kvstore = kvstore
         self.context = context
+        self.endpoint = endpoint
 
     @property
     def url(self) -> str:
@@ -151,7 +153,7 @@ class CheckpointLocation:
     def move_to(self, checkpoint_id: str | os.PathLike | None) -> None:
         """Follow a ``checkpoint_id`` (a path or kvstore URL) given to ``dcp.save``/``dcp.load``, if any."""
         if checkpoint_id:
-            self.kvstore = open_kvstore(str(checkpoint_id), self.context)
+            self.kvstore = open_kvstore(str(checkpoint_id), self.context, self.endpoint)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -166,8 +168,8 @@ class CheckpointLocation:
 class TensorStoreWriter(CheckpointLocation, StorageWriter):
     """Writes one DCP checkpoint into ``kvstore`` (the checkpoint's own prefix)."""
 
-    def __init__(self, kvstore: ts.KvStore, context: ts.Context) -> None:
-        super().__init__(kvstore, context)
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context, endpoint: str = "") -> None:
+        super().__init__(kvstore, context, endpoint)
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -267,8 +269,8 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
 class TensorStoreReader(CheckpointLocation, StorageReader):
     """Reads a checkpoint written by ``TensorStoreWriter``, under any world size (resharding)."""
 
-    def __init__(self, kvstore: ts.KvStore, context: ts.Context) -> None:
-        super().__init__(kvstore, context)
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context, endpoint: str = "") -> None:
+        super().__init__(kvstore, context, endpoint)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, ArrayRef | BlobRef] = {}
 
