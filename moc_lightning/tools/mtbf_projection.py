@@ -18,8 +18,9 @@ per method, in seconds of wall-clock time:
   interval being Young's optimum ``sqrt(2 * stall * MTBF)`` for that MTBF, but never shorter than the checkpoint's
   background work (``*_background``: its write plan, write, global plan and commit off the training thread), since at
   most one persist is in flight and a checkpoint cannot start before the previous one is done; a fault redoes half
-  an interval on average, and loses no tokens. The bench's persists keep pace with its interval, so its background
-  is 0 (no floor); a job of 16,384 ranks has one.
+  an interval on average, and loses no tokens. From a bench the background is 0 (no floor): there a persist takes
+  tenths of a second (moc_full: 0.23 GB at 0.7-1.1 GB/s), well under Young's interval at the MTBFs projected; a job
+  of 16,384 ranks has one.
 - **PEC with Dynamic-K** (the same machinery saving K of N experts per MoE layer): stall, background and recovery are
   the ``moc_k1`` and ``moc_full`` figures interpolated linearly in K (eq. 6 is linear in K), the interval is Young's
   for that stall, floored by that background. Each fault also sends every expert back to its newest saved version:
@@ -85,7 +86,7 @@ class CheckpointCosts:
     """Fixed cost of a restart before recovery starts (rescheduling, start-up); not measured by the bench."""
     full_background: float = 0.0
     """Work of one ``moc_full`` checkpoint off the training thread (plan, write, global plan, commit): the least
-    time between two checkpoints, one persist being in flight at most. 0: no floor (the bench's persists keep pace)."""
+    time between two checkpoints, one persist being in flight at most. 0: no floor (:meth:`from_bench`)."""
     k1_background: float = 0.0
     """The same for PEC with K=1."""
 
