@@ -2,6 +2,8 @@
 
     python recipes/projection.py [bench=BENCH_JSON] [out=FILE] [days=14] [gpus_sweep=1024,4096,16384]
                                  [mtbf=10m,30m,2h,3.1h] [FIELD=VALUE ...]
+                                 [scale=SCALE_JSON [world=16384] [model=deepseekv3] [bandwidths=bench|cluster]
+                                  [scale.FIELD=VALUE ...]]
 
 The scenario defaults to the paper's GPT-350M-16E (Table 1) trained for ``days`` on 1,024 GPUs; every
 ``moc_lightning.tools.projection.ClusterScenario`` field can be overridden (``gpus=4096 memory_survival=0.5``).
@@ -14,6 +16,14 @@ With a bench that measured ``moc_full``, ``moc_k1`` and ``moc_replay``, it also 
 (``mtbf``, default 10 min, 30 min, 2 h and Llama 3's 3.1 h) for full checkpoints, PEC with Dynamic-K and replay
 mode side by side, from the bench's measured costs on this machine (:mod:`moc_lightning.tools.mtbf_projection` has the
 model); ``out`` gets it as ``mtbf_sweep``.
+
+With ``scale=`` (the JSON of ``recipes/scale_report.py``) it also prints ETTR against MTBF at ``world`` ranks (default
+16,384, DeepSeek-V3-shaped) for the same three methods: control-plane costs from the scale report (measured, or its
+estimate where it could not build one), bytes per rank computed from the model's shape, copy, write and restore speeds
+from the bench (``bandwidths=bench``) or assumed for a GPU cluster (``bandwidths=cluster``), and the rest assumed;
+every input is printed with its label, and ``scale.FIELD=VALUE`` overrides any field of
+:class:`~moc_lightning.tools.scale_projection.ClusterAssumptions` (labelled assumed). ``out`` gets it as
+``scale_sweep``; without a scale report the section says so.
 
 Default assumptions (none of them measured here):
 
@@ -41,8 +51,18 @@ from pathlib import Path
 from typing import Any
 
 from moc_lightning.tools.cli import parse_key_values
-from moc_lightning.tools.mtbf_projection import DEFAULT_MTBFS, MeasuredCosts, MtbfPoint, parse_duration, project_mtbf
+from moc_lightning.tools.mtbf_projection import DEFAULT_MTBFS, CheckpointCosts, MtbfPoint, parse_duration, project_mtbf
 from moc_lightning.tools.projection import HOUR, ClusterScenario, Projection, project_all
+from moc_lightning.tools.scale_projection import (
+    BANDWIDTHS,
+    ClusterAssumptions,
+    Figure,
+    ScaleInputs,
+    checkpoint_parts,
+    load_inputs,
+    replay_parts,
+    scale_costs,
+)
 
 DAY = 24 * HOUR
 PAPER_PARAMS = 1.7e9
@@ -135,9 +155,9 @@ def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def mtbf_table(costs: MeasuredCosts, table: Sequence[Sequence[MtbfPoint]]) -> str:
-    """Markdown: per MTBF, each method's ETTR with what it is made of (interval, K, PLT, cost of a fault)."""
-    lines = [
+def mtbf_table(costs: CheckpointCosts, table: Sequence[Sequence[MtbfPoint]]) -> str:
+    """Markdown: the bench's costs, then :func:`ettr_table`."""
+    return "\n".join([
         f"Measured (bench, one process): iteration {costs.iteration_seconds * 1000:.1f} ms; stall per checkpoint "
         f"full {costs.full_stall * 1000:.1f} ms, PEC K=1 {costs.k1_stall * 1000:.1f} ms (N={costs.num_experts}); "
         f"replay {costs.replay_stall_per_iteration * 1000:.1f} ms per iteration (W={costs.replay_window}); recovery "
@@ -145,14 +165,23 @@ def mtbf_table(costs: MeasuredCosts, table: Sequence[Sequence[MtbfPoint]]) -> st
         f"(its replay {costs.replay_seconds:.2f} s); restart {costs.restart_seconds:g} s; Dynamic-K threshold "
         f"{costs.plt_threshold:.2%}.",
         "",
-        "| MTBF | " + " | ".join(f"ETTR {p.method}" for p in table[0]) + " | full: interval | pec: K, interval, PLT "
-        "| replay: s per fault |",
+        ettr_table(table),
+    ])  # fmt: skip
+
+
+def ettr_table(table: Sequence[Sequence[MtbfPoint]]) -> str:
+    """Markdown: per MTBF, each method's ETTR with what it is made of (interval and the floor its background work
+    sets, K, PLT, cost of a fault)."""
+    lines = [
+        "| MTBF | " + " | ".join(f"ETTR {p.method}" for p in table[0]) + " | full: interval (floor) "
+        "| pec: K, interval (floor), PLT | replay: s per fault |",
         "|---" * (len(table[0]) + 4) + "|",
     ]
     for full, pec, replay in table:
         lines.append(
             f"| {_duration(full.mtbf_seconds)} | {full.ettr:.4f} | {pec.ettr:.4f} | {replay.ettr:.4f} "
-            f"| {full.interval} | K={pec.k}, {pec.interval}, {pec.plt:.2%} | {replay.per_fault_seconds:.2f} |"
+            f"| {full.interval} ({full.interval_floor}) | K={pec.k}, {pec.interval} ({pec.interval_floor}), "
+            f"{pec.plt:.2%} | {replay.per_fault_seconds:.2f} |"
         )
     return "\n".join(lines)
 
@@ -161,16 +190,87 @@ def _duration(seconds: float) -> str:
     return f"{seconds / HOUR:g} h" if seconds >= HOUR else f"{seconds / 60:g} min"
 
 
-def mtbf_sweep(args: Mapping[str, str]) -> tuple[MeasuredCosts, list[list[MtbfPoint]]] | str:
+def mtbf_sweep(args: Mapping[str, str]) -> tuple[CheckpointCosts, list[list[MtbfPoint]]] | str:
     """The MTBF table from ``bench=``, or why there is none."""
     bench_path = Path(args["bench"]) if "bench" in args else None
     if bench_path is None or not bench_path.exists():
         return "no bench result (bench=FILE): ETTR against MTBF needs the measured costs"
     try:
-        costs = MeasuredCosts.from_bench(json.loads(bench_path.read_text()))
+        costs = CheckpointCosts.from_bench(json.loads(bench_path.read_text()))
     except ValueError as why:
         return str(why)
     return costs, project_mtbf(costs, [parse_duration(d) for d in args["mtbf"].split(",")])
+
+
+ScaleSweep = tuple[ScaleInputs, CheckpointCosts, list[list[MtbfPoint]]]
+SCALE_PREFIX = "scale."
+"""Arguments ``scale.FIELD=VALUE`` override :class:`ClusterAssumptions` fields (the scenario above has its own)."""
+
+
+def scale_sweep(args: Mapping[str, str]) -> ScaleSweep | str:
+    """ETTR against MTBF at ``world`` ranks from the scale report (``scale=``) and the bench, or why there is none."""
+    overrides = {k.removeprefix(SCALE_PREFIX): v for k, v in args.items() if k.startswith(SCALE_PREFIX)}
+    paths = {name: Path(args[name]) if name in args else None for name in ("scale", "bench")}
+    try:
+        inputs = load_inputs(paths["scale"], paths["bench"], args["model"], int(args["world"]), args["bandwidths"],
+                             overrides)  # fmt: skip
+    except ValueError as why:
+        return str(why)
+    costs = scale_costs(inputs)
+    return inputs, costs, project_mtbf(costs, [parse_duration(d) for d in args["mtbf"].split(",")])
+
+
+def _value(figure: Figure) -> str:
+    if figure.name.endswith("bytes") or "_bytes[" in figure.name:
+        return f"{figure.value / 1e9:,.3f} GB" if figure.value >= 1e7 else f"{figure.value:,.0f} B"
+    return f"{figure.value:,.0f}" if figure.value.is_integer() else f"{figure.value:,.4g}"
+
+
+def scale_tables(inputs: ScaleInputs, table: Sequence[Sequence[MtbfPoint]]) -> str:
+    """Markdown: every input with its label, the parts of each method's costs, then :func:`ettr_table`."""
+    lines = ["| input | value | label | source |", "|---|---|---|---|"]
+    lines += [f"| {f.name} | {_value(f)} | {f.label} | {f.source} |" for f in inputs.figures]
+    k1, full, replay = checkpoint_parts(inputs, "1"), checkpoint_parts(inputs, "N"), replay_parts(inputs)
+    lines += ["", f"| seconds | K=1 | K=N={inputs.num_experts} |", "|---|---|---|"]
+    parts = ("copy_stall", "collective", "plan_on_thread", "stall", "plan_off_thread", "write", "coordinator",
+             "metadata_write", "commit", "background", "exchange", "recovery_plan", "restore", "recover")  # fmt: skip
+    for part in parts:
+        bold = "**" if part in ("stall", "background", "recover") else ""
+        lines.append(f"| {bold}{part}{bold} | {getattr(k1, part):,.3f} | {getattr(full, part):,.3f} |")
+    lines += [
+        "",
+        f"Replay (W={int(inputs['replay_window'])}): stall {replay.stall_per_iteration:,.3f} s per iteration; a "
+        f"recovery restores its window in {replay.restore:,.1f} s and replays {replay.replay:,.1f} s.",
+        "",
+        ettr_table(table),
+    ]
+    return "\n".join(lines)
+
+
+def scale_json(sweep: ScaleSweep | str) -> dict[str, Any]:
+    """The ``out`` file's ``scale_sweep``: inputs, parts, costs and ETTR per MTBF; or why there is none."""
+    if isinstance(sweep, str):
+        return {"unavailable": sweep}
+    inputs, costs, table = sweep
+    return {
+        "model": inputs.model,
+        "world_size": inputs.world_size,
+        "inputs": [dataclasses.asdict(f) for f in inputs.figures],
+        "parts": {
+            "K=1": dataclasses.asdict(checkpoint_parts(inputs, "1")),
+            "K=N": dataclasses.asdict(checkpoint_parts(inputs, "N")),
+            "replay": dataclasses.asdict(replay_parts(inputs)),
+        },
+        "costs": dataclasses.asdict(costs),
+        "mtbf": _mtbf_json(table),
+    }
+
+
+def _mtbf_json(table: Sequence[Sequence[MtbfPoint]]) -> list[dict[str, Any]]:
+    return [
+        {"mtbf_seconds": row[0].mtbf_seconds, "methods": {p.method: dataclasses.asdict(p) for p in row}}
+        for row in table
+    ]
 
 
 def as_json(
@@ -179,6 +279,7 @@ def as_json(
     projections: Sequence[Projection],
     sweep: Sequence[Mapping[str, Any]],
     mtbf: Sequence[Sequence[MtbfPoint]] = (),
+    scale: ScaleSweep | str = "not run",
 ) -> dict[str, Any]:
     """The ``out`` file (docs/analysis.md)."""
     useful = scenario.useful_seconds
@@ -192,17 +293,21 @@ def as_json(
             for p in projections
         ],
         "gpu_sweep": list(sweep),
-        "mtbf_sweep": [
-            {"mtbf_seconds": row[0].mtbf_seconds, "methods": {p.method: dataclasses.asdict(p) for p in row}}
-            for row in mtbf
-        ],
+        "mtbf_sweep": _mtbf_json(mtbf),
+        "scale_sweep": scale_json(scale),
     }
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, str]:
-    """``key=value`` arguments: ``bench``, ``out``, ``days``, ``gpus_sweep`` and any scenario field."""
-    allowed = {"bench", "out", "days", "gpus_sweep", "mtbf", *(f.name for f in dataclasses.fields(ClusterScenario))}
-    return parse_key_values(argv, allowed, defaults={"gpus_sweep": "1024,4096,16384", "mtbf": ",".join(DEFAULT_MTBFS)})
+    """``key=value`` arguments: ``bench``, ``out``, ``days``, ``gpus_sweep``, ``mtbf``, any scenario field; for the
+    projection at scale ``scale``, ``world``, ``model``, ``bandwidths`` and ``scale.FIELD`` of
+    :class:`ClusterAssumptions`."""
+    allowed = {"bench", "out", "days", "gpus_sweep", "mtbf", "scale", "world", "model", "bandwidths",
+               *(f.name for f in dataclasses.fields(ClusterScenario)),
+               *(SCALE_PREFIX + f.name for f in dataclasses.fields(ClusterAssumptions))}  # fmt: skip
+    defaults = {"gpus_sweep": "1024,4096,16384", "mtbf": ",".join(DEFAULT_MTBFS), "world": "16384",
+                "model": "deepseekv3", "bandwidths": BANDWIDTHS[0]}  # fmt: skip
+    return parse_key_values(argv, allowed, defaults=defaults)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -226,8 +331,11 @@ def main(argv: Sequence[str]) -> None:
     else:
         costs, mtbf = measured
         print(mtbf_table(costs, mtbf))
+    scale = scale_sweep(args)
+    print(f"\n## ETTR against MTBF at {int(args['world']):,} ranks (full, PEC + Dynamic-K, replay)\n")
+    print(scale if isinstance(scale, str) else scale_tables(scale[0], scale[2]))
     if "out" in args:
-        Path(args["out"]).write_text(json.dumps(as_json(scenario, sources, projections, sweep, mtbf), indent=1))
+        Path(args["out"]).write_text(json.dumps(as_json(scenario, sources, projections, sweep, mtbf, scale), indent=1))
         print(f"\nJSON: {args['out']}")
 
 

@@ -4,8 +4,9 @@ The logic is :mod:`moc_lightning.tools.scale_report`; this prints its markdown t
 
 Usage: ``python recipes/scale_report.py out=FILE [worlds=64,512,4096,16384] [models=gpt350m16e,deepseekv3]
 [ks=1,N] [calibrate=0|1] [item_cap=600000]``. JSON: ``rows`` (one per model x world x K, the fields the module
-describes; a null field has a ``*_reason``), ``calibration`` (world, K, measured, simulated). Run it with the
-repository on the import path (``pip install -e .`` or ``PYTHONPATH=.``).
+describes; a null field has a ``*_reason``, a null coordinator plan also ``*_estimate`` numbers), ``calibration``
+(world, K, measured, simulated). Run it with the repository on the import path (``pip install -e .`` or
+``PYTHONPATH=.``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ import pytest
 from recipe_runs import ROOT, run_python
 
 from moc_lightning.tools.mtbf_projection import (
-    MeasuredCosts,
+    CheckpointCosts,
     accumulated_plt,
+    background_floor,
     parse_duration,
     project_full,
     project_mtbf,
@@ -22,7 +23,7 @@ from moc_lightning.tools.mtbf_projection import (
     young_interval,
 )
 
-COSTS = MeasuredCosts(
+COSTS = CheckpointCosts(
     iteration_seconds=1.0, num_experts=16, full_stall=0.4, full_recover=4.0, k1_stall=0.1, k1_recover=3.0,
     replay_stall_per_iteration=0.03, replay_recover=6.0, replay_seconds=2.5, replay_window=4,
 )  # fmt: skip
@@ -54,6 +55,21 @@ def test_dynamic_k_doubles_k_until_the_plt_fits_and_full_saves_every_expert() ->
     full = project_full(COSTS, 600.0)
     assert (full.k, full.plt) == (16, 0)
     assert full.stall_per_iteration == pytest.approx(0.4 / full.interval)
+
+
+def test_background_work_floors_the_interval() -> None:
+    """One persist in flight at most: a checkpoint whose background work takes 30 s of 1 s iterations cannot come
+    sooner than every 30, however short Young's interval (sqrt(2 * 0.4 * 600) = 22 s here); PEC's is interpolated
+    in K. Failed on 86abbc6: no background in the costs."""
+    assert (background_floor(0.0, 1.0), background_floor(29.5, 1.0), background_floor(30.0, 0.5)) == (1, 30, 60)
+    assert (project_full(COSTS, 600.0).interval, project_full(COSTS, 600.0).interval_floor) == (22, 1)
+    floored = dataclasses.replace(COSTS, full_background=30.0, k1_background=15.0)
+    full = project_full(floored, 600.0)
+    assert (full.interval, full.interval_floor) == (30, 30)
+    assert full.stall_per_iteration == pytest.approx(0.4 / 30)
+    assert floored.pec(16) == (0.4, 4.0, 30.0) and floored.pec(1) == (0.1, 3.0, 15.0)
+    rare = project_full(floored, 3.1 * 3600)
+    assert rare.interval > rare.interval_floor == 30, "where Young's is longer, it stands"
 
 
 def test_a_fault_costlier_than_the_mtbf_leaves_nothing() -> None:
@@ -90,20 +106,20 @@ def _bench() -> dict:
 
 def test_costs_come_from_a_bench_result_and_name_what_is_missing() -> None:
     bench = _bench()
-    costs = MeasuredCosts.from_bench(bench)
+    costs = CheckpointCosts.from_bench(bench)
     assert (costs.iteration_seconds, costs.full_stall, costs.k1_stall) == (0.5, 0.04, 0.01)
     assert (costs.replay_stall_per_iteration, costs.replay_recover, costs.replay_seconds) == (0.005, 4.0, 1.5)
     assert (costs.replay_window, costs.num_experts) == (4, 16)
     bench["methods"][2]["paired_overhead_pct"] = 3.0  # 15 ms of a 500 ms iteration: more than the 5 ms stall
-    assert MeasuredCosts.from_bench(bench).replay_stall_per_iteration == pytest.approx(0.015)
+    assert CheckpointCosts.from_bench(bench).replay_stall_per_iteration == pytest.approx(0.015)
     bench["methods"][2]["paired_overhead_pct"] = -2.0  # noise: the stall stands
-    assert MeasuredCosts.from_bench(bench).replay_stall_per_iteration == 0.005
+    assert CheckpointCosts.from_bench(bench).replay_stall_per_iteration == 0.005
     del bench["replay_window"]
     with pytest.raises(ValueError, match=r"does not say moc_replay's window \(replay_window\)"):
-        MeasuredCosts.from_bench(bench)
+        CheckpointCosts.from_bench(bench)
     del bench["methods"][2]
     with pytest.raises(ValueError, match="the bench result has no measured moc_replay row"):
-        MeasuredCosts.from_bench(bench)
+        CheckpointCosts.from_bench(bench)
 
 
 @pytest.mark.slow

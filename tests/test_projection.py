@@ -1,4 +1,6 @@
-"""Eq. 3/4 and ETTR (moc_lightning.tools.projection): hand-computed cases, monotonicity, validation."""
+"""Eq. 3/4 and ETTR (moc_lightning.tools.projection): hand-computed cases, monotonicity, validation; and the
+projection at 16,384 ranks (moc_lightning.tools.scale_projection, issue 30 item 4): every input labelled measured,
+estimated, computed or assumed, none made up. The scale tests failed on 86abbc6: no such projection."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 from recipe_runs import ROOT, run_python
 
+from moc_lightning.tools.mtbf_projection import project_mtbf
 from moc_lightning.tools.projection import (
     ClusterScenario,
     ettr,
@@ -22,6 +25,18 @@ from moc_lightning.tools.projection import (
     project_two_level,
     save_overhead,
     snapshot_stall,
+)
+from moc_lightning.tools.scale_projection import (
+    ASSUMED,
+    COMPUTED,
+    ESTIMATED,
+    MEASURED,
+    Figure,
+    ScaleInputs,
+    checkpoint_parts,
+    load_inputs,
+    scale_costs,
+    scale_inputs,
 )
 
 SMALL = ClusterScenario(
@@ -146,6 +161,95 @@ def test_validation_names_the_field(field: str, value: float) -> None:
         dataclasses.replace(SMALL, **{field: value})
 
 
+def _scale_row(k: int, plan_s: float, coordinator: float | None) -> dict:
+    """A scale report row of GPT-350M-16E at 64 ranks with made-up control-plane figures (the fields the projection
+    reads); ``coordinator=None``: not built, with the report's estimate."""
+    row = {
+        "model": "GPT-350M-16E", "world_size": 64, "k": k, "plan_s": plan_s, "plan_on_training_thread": None,
+        "plan_thread": "unmeasured", "commit_s": 0.02, "recovery_exchange_bytes": 30_000, "recovery_plan_s": 0.01,
+        "snapshot_collective_bytes": 1640, "coordinator_plan_s": coordinator, "metadata_bytes": 400_000,
+        "coordinator_plan_s_estimate": None, "metadata_bytes_estimate": None,
+    }  # fmt: skip
+    if coordinator is None:
+        row.update(metadata_bytes=None, coordinator_plan_s_estimate=12.5, metadata_bytes_estimate=3e6,
+                   coordinator_plan_reason="not built; linear in items from 32 ranks: ~12.5 s, ~0.00 GB")  # fmt: skip
+    return row
+
+
+SCALE = {"rows": [_scale_row(1, 0.005, 0.03), _scale_row(16, 0.02, None)]}
+BENCH = {
+    "methods": [
+        {"name": "moc_full", "skipped": None, "snapshot_gbps": 2.0, "persist_gbps": 0.5},
+        {"name": "moc_replay", "skipped": None, "restore_memory_seconds": 0.25, "restore_memory_bytes": 1e9},
+    ]
+}
+
+
+def _scale(**overrides: str) -> ScaleInputs:
+    return scale_inputs(SCALE, BENCH, "gpt350m16e", 64, "bench", overrides)
+
+
+def test_every_input_at_scale_says_where_it_comes_from() -> None:
+    inputs = _scale(iteration_seconds="0.5", write_gbps="3")
+    labelled = {f.name: (f.value, f.label) for f in inputs.figures}
+    assert labelled["plan_s[K=1]"] == (0.005, MEASURED) and labelled["plan_s[K=N]"] == (0.02, MEASURED)
+    assert labelled["coordinator_plan_s[K=1]"] == (0.03, MEASURED)
+    assert labelled["coordinator_plan_s[K=N]"] == (12.5, ESTIMATED), "the report's estimate, labelled so"
+    assert labelled["metadata_bytes[K=N]"] == (3e6, ESTIMATED)
+    assert labelled["copy_gbps"] == (2.0, MEASURED) and labelled["restore_gbps"] == (4.0, MEASURED)
+    assert labelled["write_gbps"] == (3.0, ASSUMED), "an argument replaces the bench's figure, and is assumed"
+    assert labelled["iteration_seconds"] == (0.5, ASSUMED) and labelled["restart_seconds"] == (600.0, ASSUMED)
+    assert labelled["plan_on_training_thread[K=1]"] == (0.0, ASSUMED), "the report could not tell"
+    assert labelled["snapshot_max_bytes[K=N]"][1] == COMPUTED
+    assert {f.label for f in inputs.figures} <= {MEASURED, ESTIMATED, COMPUTED, ASSUMED}
+    cluster = scale_inputs(SCALE, None, "gpt350m16e", 64, "cluster", {})
+    default = Figure("copy_gbps", 25.0, ASSUMED, "default: see ClusterAssumptions.copy_gbps")
+    assert cluster.figure("copy_gbps") == default
+
+
+def test_a_missing_report_row_or_estimate_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no scale report \(.*missing.json does not exist\)"):
+        load_inputs(tmp_path / "missing.json", None, "gpt350m16e", 64, "bench", {})
+    with pytest.raises(ValueError, match=r"no row of GPT-350M-16E at 128 ranks with K=1: run recipes/scale_report"):
+        scale_inputs(SCALE, BENCH, "gpt350m16e", 128, "bench", {})
+    unestimated = {"rows": [SCALE["rows"][0], {**SCALE["rows"][1], "coordinator_plan_s_estimate": None}]}
+    with pytest.raises(ValueError, match="coordinator_plan_s is null and the report gives no coordinator_plan_s_est"):
+        scale_inputs(unestimated, BENCH, "gpt350m16e", 64, "bench", {})
+    with pytest.raises(ValueError, match=r"bandwidths=bench needs a bench result \(bench=FILE\)"):
+        scale_inputs(SCALE, None, "gpt350m16e", 64, "bench", {})
+    with pytest.raises(ValueError, match=r"unknown assumption\(s\) \['copy_speed'\]"):
+        _scale(copy_speed="1")
+    with pytest.raises(ValueError, match=r"ClusterAssumptions.overlap_fraction must be in \[0, 1\], got 2.0"):
+        _scale(overlap_fraction="2")
+
+
+def test_a_checkpoint_at_scale_by_hand() -> None:
+    """Round figures: a 1 GB snapshot at 2 GB/s, half hidden by a 0.5 s overlap; 4 GB written at 1 GB/s."""
+    given = {
+        "snapshot_max_bytes[K=1]": 1e9, "snapshot_collective_bytes[K=1]": 5e8, "plan_s[K=1]": 3.0,
+        "plan_on_training_thread[K=1]": 0.0, "persist_max_bytes[K=1]": 4e9, "persist_total_bytes[K=1]": 1e12,
+        "coordinator_plan_s[K=1]": 2.0, "metadata_bytes[K=1]": 1e9, "commit_s[K=1]": 0.5,
+        "recovery_exchange_bytes[K=1]": 1e9, "recovery_plan_s[K=1]": 1.5, "state_total_bytes": 1e10,
+        "restored_units": 100, "copy_gbps": 2.0, "write_gbps": 1.0, "restore_gbps": 5.0, "storage_gbps": 500.0,
+        "network_gbps": 10.0, "collective_latency_seconds": 0.01, "overlap_fraction": 0.5, "iteration_seconds": 0.5,
+    }  # fmt: skip
+    inputs = ScaleInputs("m", 8, 4, tuple(Figure(n, v, ASSUMED, "test") for n, v in given.items()))
+    parts = checkpoint_parts(inputs, "1")
+    assert parts.stall == pytest.approx((0.5 - 0.25) + (0.01 + 0.1))  # copy less overlap, then the all-reduce
+    assert parts.background == pytest.approx(3.0 + max(4.0, 2.0) + 2.0 + 1.0 + 0.5)  # plan, write, coord, .metadata
+    assert parts.recover == pytest.approx((0.01 + 0.1) + 1.5 + (2.0 + 1.0 + 1.0))  # exchange, plan, restore
+
+
+def test_at_scale_etr_falls_as_the_mtbf_falls() -> None:
+    costs = scale_costs(_scale())
+    assert costs.full_background > costs.k1_background > 0, "background work floors the checkpoint interval"
+    table = project_mtbf(costs, [3.1 * 3600, 7200.0, 1800.0, 900.0])
+    for method in range(3):
+        ettrs = [row[method].ettr for row in table]
+        assert ettrs == sorted(ettrs, reverse=True) and ettrs[0] > ettrs[-1], f"{table[0][method].method}: {ettrs}"
+    assert all(p.interval >= p.interval_floor for row in table for p in row)
+
+
 @pytest.mark.slow
 def test_recipe_takes_bandwidths_from_a_bench_and_defaults_without_one(tmp_path: Path) -> None:
     bench = {
@@ -153,10 +257,25 @@ def test_recipe_takes_bandwidths_from_a_bench_and_defaults_without_one(tmp_path:
         "methods": [{"name": "moc_paper", "snapshot_gbps": 0.25, "persist_gbps": 0.02}],
     }
     (tmp_path / "bench.json").write_text(json.dumps(bench))
-    for bench_arg, snapshot, persist in (("bench.json", 0.25, 1.5), ("missing.json", 10.0, 0.1)):
+    (tmp_path / "scale.json").write_text(json.dumps(SCALE))
+    at_scale = ["world=64", "model=gpt350m16e", "bandwidths=cluster", "scale.copy_gbps=30"]
+    for bench_arg, snapshot, persist, scale_arg in (
+        ("bench.json", 0.25, 1.5, "scale.json"), ("missing.json", 10.0, 0.1, "missing_scale.json")
+    ):
         out = tmp_path / f"projection_{bench_arg}"
-        run_python([str(ROOT / "recipes/projection.py"), f"bench={bench_arg}", f"out={out}"], timeout=120, cwd=tmp_path)
+        args = [f"bench={bench_arg}", f"out={out}", f"scale={scale_arg}", *at_scale]
+        proc = run_python([str(ROOT / "recipes/projection.py"), *args], timeout=120, cwd=tmp_path)
         result = json.loads(out.read_text())
         assert result["scenario"]["snapshot_gbps"] == snapshot  # moc_paper's figure, or the default
         assert result["scenario"]["persist_gbps"] == persist  # no moc_full row: speed of light, or the default
         assert len(result["methods"]) == 3 and all(0 < m["ettr"] < 1 for m in result["methods"])
+        assert "## ETTR against MTBF at 64 ranks (full, PEC + Dynamic-K, replay)" in proc.stdout
+    unavailable = result["scale_sweep"]
+    assert unavailable == {"unavailable": "no scale report (missing_scale.json does not exist): the projection at "
+                           "scale takes its control-plane costs from the JSON of recipes/scale_report.py"}  # fmt: skip
+    at_64 = json.loads((tmp_path / "projection_bench.json").read_text())["scale_sweep"]
+    assert {"model", "world_size", "inputs", "parts", "costs", "mtbf"} <= at_64.keys()
+    copy = next(f for f in at_64["inputs"] if f["name"] == "copy_gbps")
+    assert (copy["value"], copy["label"], copy["source"]) == (30.0, ASSUMED, "argument")
+    assert [set(row["methods"]) for row in at_64["mtbf"]] == [{"full", "pec+dynamic_k", "replay"}] * 4
+    assert set(at_64["parts"]) == {"K=1", "K=N", "replay"}

@@ -1,5 +1,6 @@
 """ETTR against the job's mean time between failures (MTBF) for full checkpoints, PEC with Dynamic-K and replay
-mode, from the costs ``recipes/bench.py`` measured on this machine (issue 14, item 4).
+mode, from the costs ``recipes/bench.py`` measured on this machine (issue 14, item 4), or from the costs of a job of
+16,384 ranks that :mod:`moc_lightning.tools.scale_projection` puts together (issue 30, item 4).
 
 MoEvement (NSDI'26) puts MoC at ETTR 0.134 under a fault every 10 minutes; this asks what the methods as built
 here would reach at 10 min, 30 min, 2 h and 3.1 h (Llama 3: 419 unexpected interruptions in 54 days). The model,
@@ -14,15 +15,19 @@ per method, in seconds of wall-clock time:
   :func:`~moc_lightning.tools.projection.expected_faults`, ``ETTR = iteration / busy * (1 - per_fault / MTBF)``, and 0
   once a fault costs an MTBF.
 - **Full checkpoints** (the bench's ``moc_full``: two-level, every expert): every ``interval`` iterations, the
-  interval being Young's optimum ``sqrt(2 * stall * MTBF)`` for that MTBF; a fault redoes half an interval on
-  average, and loses no tokens.
-- **PEC with Dynamic-K** (the same machinery saving K of N experts per MoE layer): stall and recovery are the bench's
-  ``moc_k1`` and ``moc_full`` figures interpolated linearly in K (eq. 6 is linear in K), the interval is Young's
-  for that stall. Each fault also sends every expert back to its newest saved version: with sequential selection an
-  expert is on average ``(N/K - 1) / 2`` intervals stale, so the accumulated PLT (eq. 7: lost tokens over the run's
-  tokens) is ``faults per iteration * interval * (N/K - 1) / 2``, the same however long the run. Dynamic-K doubles
-  K until that stays under the threshold (3.75%) or K = N; the run is costed at that final K throughout (Dynamic-K
-  starts lower, so this overstates its cost a little and never its PLT).
+  interval being Young's optimum ``sqrt(2 * stall * MTBF)`` for that MTBF, but never shorter than the checkpoint's
+  background work (``*_background``: its write plan, write, global plan and commit off the training thread), since at
+  most one persist is in flight and a checkpoint cannot start before the previous one is done; a fault redoes half
+  an interval on average, and loses no tokens. From a bench the background is 0 (no floor): there a persist takes
+  tenths of a second (moc_full: 0.23 GB at 0.7-1.1 GB/s), well under Young's interval at the MTBFs projected; a job
+  of 16,384 ranks has one.
+- **PEC with Dynamic-K** (the same machinery saving K of N experts per MoE layer): stall, background and recovery are
+  the ``moc_k1`` and ``moc_full`` figures interpolated linearly in K (eq. 6 is linear in K), the interval is Young's
+  for that stall, floored by that background. Each fault also sends every expert back to its newest saved version:
+  with sequential selection an expert is on average ``(N/K - 1) / 2`` intervals stale, so the accumulated PLT (eq. 7:
+  lost tokens over the run's tokens) is ``faults per iteration * interval * (N/K - 1) / 2``, the same however long the
+  run. Dynamic-K doubles K until that stays under the threshold (3.75%) or K = N; the run is costed at that final K
+  throughout (Dynamic-K starts lower, so this overstates its cost a little and never its PLT).
 - **Replay** (``checkpoint.mode=replay``): a capture every iteration (its stall per iteration, interval 1) and no lost
   tokens: a recovery restores the newest complete window and replays up to W-1 iterations (the bench's recovery
   time includes that replay), then redoes the iterations of the window that was incomplete at the fault,
@@ -49,8 +54,9 @@ DEFAULT_MTBFS = ("10m", "30m", "2h", "3.1h")
 
 
 @dataclass(frozen=True)
-class MeasuredCosts:
-    """What the bench measured, per process, in seconds."""
+class CheckpointCosts:
+    """What each method costs one process, in seconds: as the bench measured them (:meth:`from_bench`), or a job's
+    at scale (:mod:`moc_lightning.tools.scale_projection`, which labels each input measured, estimated or assumed)."""
 
     iteration_seconds: float
     """Mean iteration without checkpointing (the bench's baseline)."""
@@ -78,20 +84,26 @@ class MeasuredCosts:
     """Dynamic-K's threshold on accumulated PLT (the paper's 3.75%)."""
     restart_seconds: float = 0.0
     """Fixed cost of a restart before recovery starts (rescheduling, start-up); not measured by the bench."""
+    full_background: float = 0.0
+    """Work of one ``moc_full`` checkpoint off the training thread (plan, write, global plan, commit): the least
+    time between two checkpoints, one persist being in flight at most. 0: no floor (:meth:`from_bench`)."""
+    k1_background: float = 0.0
+    """The same for PEC with K=1."""
 
     def __post_init__(self) -> None:
         for name in ("iteration_seconds", "num_experts", "replay_window"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"MeasuredCosts.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"CheckpointCosts.{name} must be > 0, got {getattr(self, name)}")
         for name in ("full_stall", "full_recover", "k1_stall", "k1_recover", "replay_stall_per_iteration",
-                     "replay_recover", "replay_seconds", "restart_seconds"):  # fmt: skip
+                     "replay_recover", "replay_seconds", "restart_seconds", "full_background",
+                     "k1_background"):  # fmt: skip
             if getattr(self, name) < 0:
-                raise ValueError(f"MeasuredCosts.{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"CheckpointCosts.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.plt_threshold <= 1:
-            raise ValueError(f"MeasuredCosts.plt_threshold must be in (0, 1], got {self.plt_threshold}")
+            raise ValueError(f"CheckpointCosts.plt_threshold must be in (0, 1], got {self.plt_threshold}")
 
     @classmethod
-    def from_bench(cls, bench: Mapping[str, Any], **overrides: Any) -> MeasuredCosts:
+    def from_bench(cls, bench: Mapping[str, Any], **overrides: Any) -> CheckpointCosts:
         """From a ``recipes/bench.py`` result with measured ``moc_full``, ``moc_k1`` and ``moc_replay`` rows."""
         rows = {row["name"]: row for row in bench.get("methods", []) if not row.get("skipped")}
         for name in ("moc_full", "moc_k1", "moc_replay"):
@@ -120,11 +132,13 @@ class MeasuredCosts:
             **overrides,
         )
 
-    def pec(self, k: int) -> tuple[float, float]:
-        """(stall per checkpoint, recovery) of PEC with K experts per layer, linear in K between K=1 and K=N."""
+    def pec(self, k: int) -> tuple[float, float, float]:
+        """(stall per checkpoint, recovery, background) of PEC with K experts per layer, linear in K between K=1 and
+        K=N."""
         share = (k - 1) / (self.num_experts - 1) if self.num_experts > 1 else 1.0
         return (self.k1_stall + share * (self.full_stall - self.k1_stall),
-                self.k1_recover + share * (self.full_recover - self.k1_recover))  # fmt: skip
+                self.k1_recover + share * (self.full_recover - self.k1_recover),
+                self.k1_background + share * (self.full_background - self.k1_background))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -137,6 +151,9 @@ class MtbfPoint:
     """Experts per MoE layer saved (N for full checkpoints, Dynamic-K's final K for PEC, ``None`` for replay)."""
     interval: int
     """Iterations between checkpoints (1 for replay: a capture every iteration)."""
+    interval_floor: int
+    """The least interval the checkpoint's background work allows (1: no floor); ``interval`` is Young's, or this
+    where Young's is shorter."""
     stall_per_iteration: float
     """Seconds of stall per iteration."""
     per_fault_seconds: float
@@ -152,6 +169,12 @@ def young_interval(stall: float, iteration_seconds: float, mtbf_seconds: float) 
     return max(1, round(math.sqrt(2 * stall * mtbf_seconds) / iteration_seconds))
 
 
+def background_floor(background: float, iteration_seconds: float) -> int:
+    """The fewest iterations between two checkpoints whose background work takes ``background`` seconds: one persist
+    in flight at most, so the next checkpoint waits for it (at least 1)."""
+    return max(1, math.ceil(background / iteration_seconds))
+
+
 def accumulated_plt(busy_seconds: float, interval: int, k: int, num_experts: int, mtbf_seconds: float) -> float:
     """PLT accumulated by PEC over a run: ``busy / MTBF`` faults per iteration, each costing every expert's tokens of
     ``(N/K - 1) / 2`` intervals on average (sequential selection)."""
@@ -159,32 +182,34 @@ def accumulated_plt(busy_seconds: float, interval: int, k: int, num_experts: int
 
 
 def _point(
-    method: str, costs: MeasuredCosts, mtbf: float, k: int | None, interval: int, stall_per_iteration: float,
-    recover: float, lost_iterations: float, plt: float,
+    method: str, costs: CheckpointCosts, mtbf: float, k: int | None, interval: tuple[int, int],
+    stall_per_iteration: float, recover: float, lost_iterations: float, plt: float,
 ) -> MtbfPoint:
     busy = costs.iteration_seconds + stall_per_iteration
     per_fault = costs.restart_seconds + recover + lost_iterations * busy
     faults = expected_faults(busy, per_fault, mtbf)  # per iteration of useful work
     overhead = stall_per_iteration + (faults * per_fault if per_fault else 0.0)
-    return MtbfPoint(method, mtbf, k, interval, stall_per_iteration, per_fault, plt,
+    return MtbfPoint(method, mtbf, k, *interval, stall_per_iteration, per_fault, plt,
                      ettr(costs.iteration_seconds, overhead))  # fmt: skip
 
 
-def _checkpointed(method: str, costs: MeasuredCosts, mtbf: float, k: int) -> MtbfPoint:
-    """A method saving K experts per layer every Young's interval; a fault redoes half an interval."""
-    stall, recover = costs.pec(k)
-    interval = young_interval(stall, costs.iteration_seconds, mtbf)
+def _checkpointed(method: str, costs: CheckpointCosts, mtbf: float, k: int) -> MtbfPoint:
+    """A method saving K experts per layer every Young's interval, or every floor interval where its background work
+    takes longer; a fault redoes half an interval."""
+    stall, recover, background = costs.pec(k)
+    floor = background_floor(background, costs.iteration_seconds)
+    interval = max(young_interval(stall, costs.iteration_seconds, mtbf), floor)
     busy = costs.iteration_seconds + stall / interval
     plt = accumulated_plt(busy, interval, k, costs.num_experts, mtbf)
-    return _point(method, costs, mtbf, k, interval, stall / interval, recover, interval / 2, plt)
+    return _point(method, costs, mtbf, k, (interval, floor), stall / interval, recover, interval / 2, plt)
 
 
-def project_full(costs: MeasuredCosts, mtbf_seconds: float) -> MtbfPoint:
+def project_full(costs: CheckpointCosts, mtbf_seconds: float) -> MtbfPoint:
     """Every expert every checkpoint (K = N): no lost tokens."""
     return _checkpointed("full", costs, mtbf_seconds, costs.num_experts)
 
 
-def project_pec_dynamic_k(costs: MeasuredCosts, mtbf_seconds: float) -> MtbfPoint:
+def project_pec_dynamic_k(costs: CheckpointCosts, mtbf_seconds: float) -> MtbfPoint:
     """PEC from K=1, doubled until the accumulated PLT stays under the threshold (or K = N)."""
     k = 1
     point = _checkpointed("pec+dynamic_k", costs, mtbf_seconds, k)
@@ -194,14 +219,14 @@ def project_pec_dynamic_k(costs: MeasuredCosts, mtbf_seconds: float) -> MtbfPoin
     return point
 
 
-def project_replay(costs: MeasuredCosts, mtbf_seconds: float) -> MtbfPoint:
+def project_replay(costs: CheckpointCosts, mtbf_seconds: float) -> MtbfPoint:
     """A capture every iteration; a fault costs the recovery with its replay, and (W-1)/2 iterations redone."""
     stall = costs.replay_stall_per_iteration
-    return _point("replay", costs, mtbf_seconds, None, 1, stall, costs.replay_recover,
+    return _point("replay", costs, mtbf_seconds, None, (1, 1), stall, costs.replay_recover,
                   (costs.replay_window - 1) / 2, 0.0)  # fmt: skip
 
 
-def project_mtbf(costs: MeasuredCosts, mtbfs: Iterable[float]) -> list[list[MtbfPoint]]:
+def project_mtbf(costs: CheckpointCosts, mtbfs: Iterable[float]) -> list[list[MtbfPoint]]:
     """Per MTBF, the three methods in :data:`METHODS` order."""
     return [[project(costs, m) for project in (project_full, project_pec_dynamic_k, project_replay)] for m in mtbfs]
 

@@ -13,8 +13,9 @@ synthetic inputs of the simulated size (the paper's setting, ZeRO-2 + EP in bf16
   :class:`~moc_lightning.sharding.planner.MoCSavePlanner` over meta tensors of the real shapes, then the coordinator's
   ``create_global_plan`` and the sealed ``.metadata`` (:func:`~moc_lightning.storage.integrity.metadata_bytes`). The
   ``dcp_*`` fields are DCP's own default (every rank proposes what it holds, ``dedup_save_plans`` picks) measured the
-  same way. Above ``item_cap`` write items the plans are not built (their memory); the field is null and its
-  ``*_reason`` gives a linear extrapolation from the largest measured size of the same model.
+  same way. Above ``item_cap`` write items the plans are not built (their memory); the field is null, its
+  ``*_reason`` gives a linear extrapolation from the largest measured size of the same model and K, and
+  ``coordinator_plan_s_estimate`` / ``metadata_bytes_estimate`` (``dcp_`` likewise) give it as numbers.
 - ``manifest_bytes`` / ``commit_s``: a manifest of ``retention`` records of the rotation, and the coordinator's
   :class:`~moc_lightning.pec.commit.ManifestCommit` to a temporary filesystem storage, the self-description shaped as
   the persister's (every weight key's parameter source).
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 
 from moc_lightning.config import CheckpointConfig
+from moc_lightning.engine.layout import UnitBytes
 from moc_lightning.engine.manifest import CheckpointRecord, Manifest
 from moc_lightning.engine.selection import SequentialSelection
 from moc_lightning.engine.slots import param_key, state_key
@@ -60,6 +62,7 @@ from moc_lightning.pec.commit import ManifestCommit
 from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.pec.tokens import TokenAccounting
 from moc_lightning.pec.write_plan import zero_weights_ownership
+from moc_lightning.replay.core import window_schedule
 from moc_lightning.sharding.ownership import (
     Ownership,
     ShardingUnit,
@@ -207,6 +210,90 @@ def time_plan(model: _Model, units: Sequence[Unit], owners: Mapping[str, int], t
     tracemalloc.stop()
     forget_plans()
     return {"plan_s": min(seconds), "plan_memory_bytes": peak, "ownership": ownership}
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What a checkpoint of K experts per layer moves per rank under ZeRO-2 + EP, as the engine places the model's
+    shape on the simulated ranks, and what a recovery and replay mode's window move. A synchronous job waits for its
+    busiest rank, so the projection at scale (:mod:`moc_lightning.tools.scale_projection`) takes the maxima."""
+
+    snapshot_max: int
+    """The busiest rank's snapshot: weights and optimizer state of the selected units it is the ZeRO owner of (a
+    checkpoint snapshots each unit whole on its owner)."""
+    snapshot_total: int
+    """Every rank's snapshot together."""
+    persist_max: int
+    """The busiest rank's persist: its owned units' optimizer state and its rows of their weights (the write plan)."""
+    persist_total: int
+    """Every rank's persist together."""
+    state_total: int
+    """Weights and optimizer state of every unit: what a recovery restores."""
+    restored_units: int
+    """Units a recovery restores (all of them), one broadcast each from memory."""
+
+
+def rank_bytes(spec: ModelSpec, world_size: int, k: int) -> RankBytes:
+    """:class:`RankBytes` of ``spec`` on ``world_size`` ranks, checkpoints of ``k`` experts per layer (the first of the
+    sequential selection), from the same owners and write plan :func:`simulate` times."""
+    model, topology = _Model(spec), Topology(world_size, spec.ep)
+    owners = _zero_owners(model, topology)
+    units = _units(model, _selections(spec, k, 1)[0])
+    snapshot, state = [0] * world_size, [0] * world_size
+    for unit in units:
+        snapshot[owners[unit.key]] += model.weight_bytes(unit) + model.state_bytes(unit)
+        state[owners[unit.key]] += model.state_bytes(unit)
+    ownership = _plan(model, units, owners, topology)
+    persist = [own + weights for own, weights in zip(state, ownership.rank_bytes)]
+    every = [unit for unit, _ in model.dense] + list(model.experts)
+    forget_plans()
+    return RankBytes(
+        snapshot_max=max(snapshot),
+        snapshot_total=sum(snapshot),
+        persist_max=max(persist),
+        persist_total=sum(persist),
+        state_total=sum(model.weight_bytes(u) + model.state_bytes(u) for u in every),
+        restored_units=len(every),
+    )
+
+
+@dataclass(frozen=True)
+class ReplayBytes:
+    """What replay mode's captures copy per rank over a window (:mod:`moc_lightning.replay.core`): at offset t, the
+    full state a rank has of the units active at t (weights, and optimizer state on their ZeRO owner) and the weights
+    of the units it holds that are still frozen."""
+
+    window: int
+    """W, iterations per window."""
+    capture_max: tuple[int, ...]
+    """Per offset of the window, the busiest rank's capture."""
+    window_max: int
+    """The busiest rank's captures over a whole window: what a recovery restores and replays from."""
+
+
+def replay_bytes(spec: ModelSpec, world_size: int, window: int) -> ReplayBytes:
+    """:class:`ReplayBytes` of ``spec`` on ``world_size`` ranks, with the engine's own window schedule
+    (:func:`~moc_lightning.replay.core.window_schedule` over whole units' sizes) and ZeRO owners."""
+    model, topology = _Model(spec), Topology(world_size, spec.ep)
+    owners = _zero_owners(model, topology)
+    every = [unit for unit, _ in model.dense] + list(model.experts)
+    sizes = {u: UnitBytes(model.weight_bytes(u), model.state_bytes(u), numel(model.tensors(u))) for u in every}
+    schedule = window_schedule(every, window, sizes)
+    per_ep = spec.shape.experts // spec.ep
+    weights = [[0] * window for _ in range(spec.ep)]  # per EP rank and offset: the held weights copied there
+    owned = [[0] * window for _ in range(world_size)]  # per rank and offset: the optimizer state copied there
+    for unit in every:
+        holders = [unit.expert // per_ep] if isinstance(unit, ExpertUnit) else range(spec.ep)
+        for ep_rank in holders:
+            for t in range(schedule[unit] + 1):
+                weights[ep_rank][t] += sizes[unit].weights
+        owned[owners[unit.key]][schedule[unit]] += sizes[unit].optimizer
+    captures = [[weights[rank % spec.ep][t] + owned[rank][t] for t in range(window)] for rank in range(world_size)]
+    return ReplayBytes(
+        window=window,
+        capture_max=tuple(max(c[t] for c in captures) for t in range(window)),
+        window_max=max(sum(c) for c in captures),
+    )
 
 
 def _write_items(ownership: Ownership, model: _Model, owners: Mapping[str, int], dcp_default: bool) -> int:
@@ -413,10 +500,12 @@ def simulate(spec: ModelSpec, world_size: int, k: int, item_cap: int = ITEM_CAP)
 
 
 def extrapolate(rows: list[dict[str, Any]]) -> None:
-    """Fill ``*_reason`` for every null coordinator figure: a linear extrapolation in write items from the largest
-    measured row of the same model and K (DCP's global plan and its metadata are linear in items)."""
+    """Fill ``*_reason`` for every null coordinator figure, and ``*_estimate``: a linear extrapolation in write items
+    from the largest measured row of the same model and K (DCP's global plan and its metadata are linear in items).
+    The figure itself stays null (unmeasured); the estimates are null where it was measured or nothing was."""
     for prefix in ("", "dcp_"):
         for row in rows:
+            row[f"{prefix}coordinator_plan_s_estimate"] = row[f"{prefix}metadata_bytes_estimate"] = None
             if row[f"{prefix}coordinator_plan_s"] is not None:
                 continue
             measured = [
@@ -429,9 +518,10 @@ def extrapolate(rows: list[dict[str, Any]]) -> None:
             if measured:
                 base = max(measured, key=lambda r: r[f"{prefix}write_items"])
                 scale = items / base[f"{prefix}write_items"]
+                seconds = row[f"{prefix}coordinator_plan_s_estimate"] = base[f"{prefix}coordinator_plan_s"] * scale
+                nbytes = row[f"{prefix}metadata_bytes_estimate"] = base[f"{prefix}metadata_bytes"] * scale
                 reason += (
-                    f"; linear in items from {base['world_size']} ranks: ~{base[f'{prefix}coordinator_plan_s'] * scale:.1f}"
-                    f" s, ~{base[f'{prefix}metadata_bytes'] * scale / 1e9:.2f} GB"
+                    f"; linear in items from {base['world_size']} ranks: ~{seconds:.1f} s, ~{nbytes / 1e9:.2f} GB"
                 )
             row[f"{prefix}coordinator_plan_reason"] = reason
 
