@@ -44,6 +44,7 @@ class WritePlan:
         self.topology = topology
         self.layout = layout
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self._twins = _first_expert_of_each_layer(layout)
         self.state_owners = gather_state_owners(layout)
         """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
         unit is snapshotted whole there; a persist from the live tensors writes its optimizer state there and splits
@@ -58,6 +59,7 @@ class WritePlan:
         """Plan over ``layout`` from now on (same model, new optimizer object)."""
         self.layout = layout
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self._twins = _first_expert_of_each_layer(layout)
         self.state_owners = gather_state_owners(layout)
 
     def persisted_state(
@@ -106,7 +108,7 @@ class WritePlan:
         if unit in self.layout.slots:
             return unit
         assert isinstance(unit, ExpertUnit)
-        return next(u for u in self.layout.expert_units if u.layer == unit.layer)
+        return self._twins[unit.layer]
 
     def unit_nbytes(self, unit: Unit, part: str | None = None) -> int:
         """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it (or, under ZeRO,
@@ -240,6 +242,15 @@ def _gather_piece_holders(layout: Layout, rank: int) -> dict[str, tuple[tuple[in
     return gather_holders(
         {u.key: unit_replicas([layout.params[n] for n in layout.param_names(u)], rank) for u in layout.units}
     )
+
+
+def _first_expert_of_each_layer(layout: Layout) -> dict[int, ExpertUnit]:
+    """MoE layer -> its first local expert: the twin that sizes the layer's experts held elsewhere (a plan asks for
+    each of thousands of them)."""
+    twins: dict[int, ExpertUnit] = {}
+    for unit in layout.expert_units:
+        twins.setdefault(unit.layer, unit)
+    return twins
 
 
 def _unit_rows(layout: Layout, unit: Unit) -> int:
