@@ -9,6 +9,10 @@ synthetic inputs of the simulated size (the paper's setting, ZeRO-2 + EP in bf16
   units (rows = the longest dim 0, as :class:`~moc_lightning.pec.write_plan.WritePlan` sizes them) and the rank's
   ``writes_of``, uncached; the ZeRO owners come from :func:`~moc_lightning.sharding.zero.lpt_owners`
   (``zero_owners_s``, once per layout). ``plan_memory_bytes``: the peak Python allocation of that plan (tracemalloc).
+  That ownership is the plan of a persist from the live tensors (the final persist; the PEC engine used alone); a
+  periodic persist from a snapshot slot writes the slot's own units whole, with no ownership to compute.
+  ``plan_on_training_thread`` / ``plan_thread``: where a real engine's periodic persist plans
+  (:func:`with_plan_threads`, :mod:`moc_lightning.tools.plan_threads`); null from :func:`simulate` alone.
 - ``coordinator_plan_s`` / ``metadata_bytes``: every simulated rank's local plan from
   :class:`~moc_lightning.sharding.planner.MoCSavePlanner` over meta tensors of the real shapes, then the coordinator's
   ``create_global_plan`` and the sealed ``.metadata`` (:func:`~moc_lightning.storage.integrity.metadata_bytes`). The
@@ -77,6 +81,7 @@ from moc_lightning.tools.moe_shapes import (
     TensorShapes,
     numel,
 )
+from moc_lightning.tools.plan_threads import plan_threads
 
 WEIGHT_DTYPE = torch.bfloat16
 STATE_DTYPE = torch.float32
@@ -210,12 +215,13 @@ def time_plan(model: _Model, units: Sequence[Unit], owners: Mapping[str, int], t
 
 
 def _write_items(ownership: Ownership, model: _Model, owners: Mapping[str, int], dcp_default: bool) -> int:
-    """Write items the ranks' local plans will hold, counted from the ownership without building them."""
+    """Write items the ranks' local plans will hold, counted from the ownership without building them (one unit's
+    shards at a time: every rank's at once is what a rank's plan no longer builds)."""
     per_unit = {unit.key: len(model.tensors(u)) for unit, u in zip(ownership.units, _units_of(ownership))}
     if dcp_default:  # every holder proposes every weight; owners their state (a scalar step per tensor too)
         weights = sum(len(unit.holders) * per_unit[unit.key] for unit in ownership.units)
     else:
-        weights = sum(len(shards) * per_unit[unit.key] for unit, shards in zip(ownership.units, ownership.shards))
+        weights = sum(len(ownership.shards_of(unit.key)) * per_unit[unit.key] for unit in ownership.units)
     return weights + sum(per_unit.values()) * (len(STATE_NAMES) + 1)
 
 
@@ -393,10 +399,8 @@ def simulate(spec: ModelSpec, world_size: int, k: int, item_cap: int = ITEM_CAP)
         "k": k,
         "units": len(units),
         "plan_s": plan["plan_s"],
-        "plan_on_training_thread": None,  # unknown: a simulated rank has no threads, and no run here recorded it
-        "plan_thread": "unmeasured; by the code path, the persist thread (PersistQueue -> Persister.persist -> "
-        "WritePlan._zero_writes); under ZeRO the snapshot's owners are a lookup of the ZeRO owners on the training "
-        "thread",
+        "plan_on_training_thread": None,  # a simulated rank has no threads: with_plan_threads measures a real one
+        "plan_thread": "unmeasured in the simulation (with_plan_threads measures it on a real engine)",
         "plan_memory_bytes": plan["plan_memory_bytes"],
         "zero_owners_s": zero_owners_s,
         "write_items": ours["items"],
@@ -410,6 +414,14 @@ def simulate(spec: ModelSpec, world_size: int, k: int, item_cap: int = ITEM_CAP)
         **recovery(model, k, owners, topology, committed["manifest"]),
         **snapshot_collectives(spec, world_size),
     }
+
+
+def with_plan_threads(rows: list[dict[str, Any]]) -> None:
+    """Fill ``plan_on_training_thread`` and ``plan_thread`` of every row from a real engine's persists
+    (:func:`~moc_lightning.tools.plan_threads.plan_threads`: a periodic persist's plan under ZeRO-2, measured)."""
+    measured = plan_threads()
+    for row in rows:
+        row.update(measured)
 
 
 def extrapolate(rows: list[dict[str, Any]]) -> None:
