@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 import torch
@@ -119,7 +119,10 @@ MODELS: dict[str, ModelSpec] = {
 
 
 class _Model:
-    """The engine's view of one model: unit keys, their tensors' state-dict keys and shapes, sizes and rows."""
+    """The engine's view of one model: unit keys, their tensors' state-dict keys and shapes, sizes and rows.
+
+    Each unit's sizes are worked out once, as the write plan sizes each layer's experts once per plan from a local
+    twin (:meth:`~moc_lightning.pec.write_plan.WritePlan._plan_sizes`): every expert has the same shape."""
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -127,21 +130,27 @@ class _Model:
         self.dense: list[tuple[Unit, TensorShapes]] = [(DenseUnit(n), t) for n, t in shape.dense_tensors()]
         self.expert_tensors = shape.expert_tensors()
         self.experts = [ExpertUnit(layer, e) for layer, n in enumerate(spec.num_experts) for e in range(n)]
+        self._dense_tensors = dict(self.dense)
+        self._sizes = {unit.key: _sizes(tensors) for unit, tensors in self.dense} | {
+            EXPERT: _sizes(self.expert_tensors)
+        }
 
     def tensors(self, unit: Unit) -> TensorShapes:
-        return self.expert_tensors if isinstance(unit, ExpertUnit) else dict(self.dense)[unit]
+        return self.expert_tensors if isinstance(unit, ExpertUnit) else self._dense_tensors[unit]
 
     def weight_bytes(self, unit: Unit) -> int:
-        return numel(self.tensors(unit)) * WEIGHT_DTYPE.itemsize
+        return self._sized(unit).weight_bytes
 
     def state_bytes(self, unit: Unit) -> int:
         """fp32 master and moments of every parameter, and its fp32 ``step`` (ZeroAdamW.state_nbytes)."""
-        tensors = self.tensors(unit)
-        return numel(tensors) * STATE_DTYPE.itemsize * len(STATE_NAMES) + STATE_DTYPE.itemsize * len(tensors)
+        return self._sized(unit).state_bytes
 
     def rows(self, unit: Unit) -> int:
         """The longest dim 0 of the unit's tensors, as the write plan splits units."""
-        return max(shape[0] for _, shape in self.tensors(unit))
+        return self._sized(unit).rows
+
+    def _sized(self, unit: Unit) -> _UnitSizes:
+        return self._sizes[EXPERT if isinstance(unit, ExpertUnit) else unit.key]
 
     def weights_unit(self, unit: Unit, topology: Topology) -> ShardingUnit:
         """The unit's weights as :meth:`WritePlan._sharding_unit` builds them (rows, bytes per row, holders)."""
@@ -162,6 +171,27 @@ class _Model:
                 out[state_key(unit, local, name)] = torch.empty(shape, dtype=STATE_DTYPE, device="meta")
             out[state_key(unit, local, "step")] = torch.empty((), dtype=STATE_DTYPE, device="meta")
         return out
+
+
+class _UnitSizes(NamedTuple):
+    rows: int
+    weight_bytes: int
+    state_bytes: int
+
+
+EXPERT = "expert"
+"""The sizes key every expert shares (all have one shape)."""
+
+
+def _sizes(tensors: TensorShapes) -> _UnitSizes:
+    """Rows (the longest dim 0), bf16 weight bytes, and ZeRO state bytes: fp32 master and moments of every
+    parameter, and its fp32 ``step`` (``ZeroAdamW.state_nbytes``)."""
+    params = numel(tensors)
+    return _UnitSizes(
+        rows=max(shape[0] for _, shape in tensors),
+        weight_bytes=params * WEIGHT_DTYPE.itemsize,
+        state_bytes=params * STATE_DTYPE.itemsize * len(STATE_NAMES) + STATE_DTYPE.itemsize * len(tensors),
+    )
 
 
 def _selections(spec: ModelSpec, k: int, count: int) -> list[tuple[tuple[int, ...], ...]]:
