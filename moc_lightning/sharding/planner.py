@@ -223,12 +223,14 @@ def disjoint_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Met
 def _rows_tile(stored: TensorStorageMetadata) -> bool:
     """Whether the chunks of a tensor are full-width row ranges that tile its rows exactly once (what ownership
     writes); a scalar passes, as in DCP's check."""
-    size = stored.size
+    size, chunks = stored.size, stored.chunks
     if len(size) == 0:
         return True
+    if len(chunks) == 1:  # one writer: most tensors, whatever the world size
+        return not any(chunks[0].offsets) and chunks[0].sizes == size
     rest = list(size[1:])
     expected = 0
-    for chunk in sorted(stored.chunks, key=lambda chunk: chunk.offsets[0]):
+    for chunk in sorted(chunks, key=lambda chunk: chunk.offsets[0]):
         if chunk.offsets[0] != expected or any(chunk.offsets[1:]) or list(chunk.sizes[1:]) != rest:
             return False
         expected += chunk.sizes[0]
