@@ -9,8 +9,9 @@ checkpoint: ``dcp.load`` with DCP's ``DefaultLoadPlanner`` reads it back under a
 resharding needs.
 
 The global plan (:func:`disjoint_global_plan`) is DCP's ``create_default_global_save_plan`` and validation in one
-pass over the items: at 16,384 ranks a DeepSeek-V3-shaped checkpoint has millions of write items (each expert's
-rows split over its 256 replicas), and DCP's own deduplication visits every item against every rank's plan size.
+pass over the items, with no deduplication: at 16,384 ranks a DeepSeek-V3-shaped checkpoint has millions of write
+items (each expert's rows split over its 256 replicas), and DCP's default planning has every holder propose its
+whole copy first (twice the items there) and deduplicates them.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def disjoint_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Met
     as DCP records it in ``.metadata``) built in one pass with no deduplication, then checked as DCP's
     ``_validate_global_plan`` checks it (:func:`_rows_tile`; on any doubt DCP's own check decides, with its errors).
 
-    O(items) time, against DCP's O(items x ranks) for the deduplication its default planner runs first.
+    O(items) time; DCP's default planner first deduplicates every holder's proposed copy, O(items x replicas).
     """
     metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     plans = []
