@@ -24,6 +24,7 @@ from moc_lightning.tools.scale_report import (
     markdown,
     report,
     verdicts,
+    with_plan_threads,
 )
 
 
@@ -48,6 +49,8 @@ def main(argv: Sequence[str]) -> None:
         int(args["item_cap"]),
         log,
     )
+    log("[scale] where a real engine plans its persists ...")
+    with_plan_threads(rows)
     calibration = calibrate(log=log) if args["calibrate"] == "1" else []
     print("# Scale report: the control plane at simulated world sizes (ZeRO-2 + EP, bf16 + fp32 master/moments)\n")
     print(markdown(rows))

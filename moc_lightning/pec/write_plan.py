@@ -10,7 +10,7 @@ ownership and the persist's expected bytes need.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moc_lightning.config import CheckpointConfig
-from moc_lightning.engine.layout import Layout
+from moc_lightning.engine.layout import Layout, UnitBytes
 from moc_lightning.engine.parts import always_saved, part_key, part_of, split_part_key
 from moc_lightning.engine.pieces import as_dtensors, gather_holders, unit_replicas
 from moc_lightning.engine.size_model import model_unit_bytes
@@ -44,6 +44,7 @@ class WritePlan:
         self.topology = topology
         self.layout = layout
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self._twins = _first_expert_of_each_layer(layout)
         self.state_owners = gather_state_owners(layout)
         """Under ZeRO: unit key -> the rank keeping the unit's optimizer state, for every unit of the model; each
         unit is snapshotted whole there; a persist from the live tensors writes its optimizer state there and splits
@@ -58,6 +59,7 @@ class WritePlan:
         """Plan over ``layout`` from now on (same model, new optimizer object)."""
         self.layout = layout
         self._unit_rows = {unit: _unit_rows(layout, unit) for unit in layout.units}
+        self._twins = _first_expert_of_each_layer(layout)
         self.state_owners = gather_state_owners(layout)
 
     def persisted_state(
@@ -106,14 +108,27 @@ class WritePlan:
         if unit in self.layout.slots:
             return unit
         assert isinstance(unit, ExpertUnit)
-        return next(u for u in self.layout.expert_units if u.layer == unit.layer)
+        return self._twins[unit.layer]
 
     def unit_nbytes(self, unit: Unit, part: str | None = None) -> int:
         """Weights and optimizer state of ``unit`` in bytes, whether or not this rank holds it (or, under ZeRO,
         keeps its optimizer state: :func:`model_unit_bytes`); with ``part``, of that part only (``weights``:
         with the persistent buffers)."""
-        size = model_unit_bytes(self.layout, self.local_twin(unit))
-        return {None: size.total, "weights": size.weights + size.buffers, "optimizer": size.optimizer}[part]
+        return _part_bytes(model_unit_bytes(self.layout, self.local_twin(unit)), part)
+
+    def _plan_sizes(self) -> Callable[[Unit, str | None], int]:
+        """:meth:`unit_nbytes` for one plan, each local twin sized once: the thousands of experts a rank plans for but
+        does not hold share their layer's twin, and a unit's bytes change only when the optimizer creates its state,
+        never within one plan."""
+        sized: dict[Unit, UnitBytes] = {}
+
+        def size(unit: Unit, part: str | None) -> int:
+            twin = self.local_twin(unit)
+            if twin not in sized:
+                sized[twin] = model_unit_bytes(self.layout, twin)
+            return _part_bytes(sized[twin], part)
+
+        return size
 
     def _writes(
         self, units: Sequence[Unit], state: dict[str, torch.Tensor], parts: Sequence[str] = ()
@@ -128,8 +143,9 @@ class WritePlan:
         partial = {parse_unit(u): part for u, part in map(split_part_key, parts)}
         if self.state_owners is not None:
             return self._zero_writes(units, state, partial, self.state_owners)
-        sharding_units = tuple(self._sharding_unit(u) for u in units) + tuple(
-            self._sharding_unit(u, part) for u, part in partial.items()
+        size = self._plan_sizes()
+        sharding_units = tuple(self._sharding_unit(u, None, size) for u in units) + tuple(
+            self._sharding_unit(u, part, size) for u, part in partial.items()
         )
         return self._owned_rows(plan_ownership(sharding_units, self._sharding_topology, self.cfg.sharding), state)
 
@@ -145,8 +161,9 @@ class WritePlan:
         their holders as under DDP, so ``checkpoint.sharding`` splits them as it does there; ``adaptive`` counts
         the optimizer bytes each owner writes anyway when it places them (the paper's AN, section 4.3)."""
         saved: list[tuple[Unit, str | None]] = [(u, None) for u in units] + list(partial.items())
-        states = [(state_owners[u.key], self.unit_nbytes(u, "optimizer")) for u, part in saved if part != "weights"]
-        weights = tuple(self._sharding_unit(u, "weights") for u, part in saved if part != "optimizer")
+        size = self._plan_sizes()
+        states = [(state_owners[u.key], size(u, "optimizer")) for u, part in saved if part != "weights"]
+        weights = tuple(self._sharding_unit(u, "weights", size) for u, part in saved if part != "optimizer")
         ownership = zero_weights_ownership(weights, states, self._sharding_topology, self.cfg.sharding)
         writes = self._owned_rows(ownership, {k: t for k, t in state.items() if part_of(k) == "weights"})
         rank = self.topology.rank
@@ -183,9 +200,9 @@ class WritePlan:
                 writes[key] = whole_rows(tensor)
         return writes
 
-    def _sharding_unit(self, unit: Unit, part: str | None = None) -> ShardingUnit:
+    def _sharding_unit(self, unit: Unit, part: str | None, size: Callable[[Unit, str | None], int]) -> ShardingUnit:
         rows = self._unit_rows[self.local_twin(unit)]
-        nbytes = self.unit_nbytes(unit, part)
+        nbytes = size(unit, part)
         row_bytes = max(1, math.ceil(nbytes / rows))
         if isinstance(unit, DenseUnit):
             return ShardingUnit(unit.key, "dense", rows, row_bytes, range(self.topology.world_size))
@@ -240,6 +257,20 @@ def _gather_piece_holders(layout: Layout, rank: int) -> dict[str, tuple[tuple[in
     return gather_holders(
         {u.key: unit_replicas([layout.params[n] for n in layout.param_names(u)], rank) for u in layout.units}
     )
+
+
+def _part_bytes(size: UnitBytes, part: str | None) -> int:
+    """Bytes of a unit (``None``), of its ``weights`` (with the persistent buffers) or of its ``optimizer`` state."""
+    return {None: size.total, "weights": size.weights + size.buffers, "optimizer": size.optimizer}[part]
+
+
+def _first_expert_of_each_layer(layout: Layout) -> dict[int, ExpertUnit]:
+    """MoE layer -> its first local expert: the twin that sizes the layer's experts held elsewhere (a plan asks for
+    each of thousands of them)."""
+    twins: dict[int, ExpertUnit] = {}
+    for unit in layout.expert_units:
+        twins.setdefault(unit.layer, unit)
+    return twins
 
 
 def _unit_rows(layout: Layout, unit: Unit) -> int:

@@ -38,13 +38,22 @@ distinct ranks (the engine writes one row range per tensor per rank); and only a
 as the gaps need. Equal-size blocks placed among the whole units level those gaps only by chance: for
 GPT-350M-16E at DP=EP=16, K=1, 4, 7, 8 or 16 equal blocks of the embedding leave the busiest rank at
 1.13, 1.09, 1.04 or 1.09x the ideal; pouring reaches 1.00x.
+
+Cost at scale (DESIGN.md, Scale). An expert's equal split over its replicas is closed-form, so an
+``Ownership`` keeps it implicit (``placed[i] is None``) and derives a shard where it is asked for: one rank's
+``writes_of`` costs O(units), and the per-rank expert bytes the placement needs come from the split's pattern,
+summed once per (holders, rows) group of experts, O(units + ranks x distinct expert row counts). Only the dense
+units are placed explicitly, in O(ranks + dense units x log ranks). So a plan costs O(units + ranks), never
+O(units x ranks): at 16,384 ranks each DeepSeek-V3 expert has 256 replicas, and materializing every replica's
+shard of every expert (what ``shards`` still does, for reports and tests that ask for all of them) took seconds
+and hundreds of MB on each rank.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal
 
@@ -143,23 +152,38 @@ class Ownership:
     strategy: str
     topology: Topology
     units: tuple[ShardingUnit, ...]
-    shards: tuple[tuple[Shard, ...], ...]
-    """``shards[i]`` partitions ``[0, units[i].rows)``; an empty unit has one empty shard, so it has a writer."""
+    placed: tuple[tuple[Shard, ...] | None, ...]
+    """``placed[i]``: the shards of ``units[i]`` where they were placed (dense units; every unit under ``rank0`` and
+    ``dcp_default``); ``None``: equal row ranges over its holders (:func:`split_over_holders`, the experts under
+    ``equal`` and ``adaptive``), derived where asked, so that no rank builds every replica's shard of every expert."""
     rank_bytes: tuple[int, ...]
     """Bytes each rank writes."""
+    _writes: dict[int, tuple[tuple[ShardingUnit, Shard], ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """Each rank's writes, once asked for."""
+
+    @cached_property
+    def shards(self) -> tuple[tuple[Shard, ...], ...]:
+        """``shards[i]`` partitions ``[0, units[i].rows)``; an empty unit has one empty shard, so it has a writer.
+
+        Every replica's shard of every unit: O(units x replicas); a rank's own are :meth:`writes_of`."""
+        return tuple(self._shards_at(i) for i in range(len(self.units)))
 
     def shards_of(self, key: str) -> tuple[Shard, ...]:
         """The shards of the unit named ``key``."""
         try:
-            return self.shards[self._index_of_key[key]]
+            return self._shards_at(self._index_of_key[key])
         except KeyError:
             raise KeyError(f"no unit with key {key!r} in this ownership") from None
 
     def writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
-        """What ``rank`` writes: (unit, shard) pairs, in unit order."""
+        """What ``rank`` writes: (unit, shard) pairs, in unit order. O(units), whatever the world size."""
         if not 0 <= rank < self.topology.world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={self.topology.world_size})")
-        return tuple(self._writes_by_rank.get(rank, ()))
+        if rank not in self._writes:
+            self._writes[rank] = self._writes_of(rank)
+        return self._writes[rank]
 
     @property
     def total_bytes(self) -> int:
@@ -175,37 +199,82 @@ class Ownership:
         """Bytes per rank if the total were spread perfectly evenly."""
         return self.total_bytes / self.topology.world_size
 
+    def _shards_at(self, index: int) -> tuple[Shard, ...]:
+        placed = self.placed[index]
+        return split_over_holders(self.units[index]) if placed is None else placed
+
     @cached_property
     def _index_of_key(self) -> dict[str, int]:
         return {unit.key: i for i, unit in enumerate(self.units)}
 
     @cached_property
-    def _writes_by_rank(self) -> dict[int, list[tuple[ShardingUnit, Shard]]]:
-        by_rank: dict[int, list[tuple[ShardingUnit, Shard]]] = {}
-        for unit, shards in zip(self.units, self.shards):
-            for shard in shards:
-                by_rank.setdefault(shard.rank, []).append((unit, shard))
+    def _placed_by_rank(self) -> dict[int, list[tuple[int, Shard]]]:
+        """(unit index, shard) of every placed shard, by rank: O(units + ranks) shards in all (pouring gives a rank
+        at most one block of each unit)."""
+        by_rank: dict[int, list[tuple[int, Shard]]] = {}
+        for index, shards in enumerate(self.placed):
+            for shard in shards or ():
+                by_rank.setdefault(shard.rank, []).append((index, shard))
         return by_rank
+
+    def _writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
+        """The rank's split shards in closed form and its placed ones from the index, merged into unit order."""
+        mine = list(self._placed_by_rank.get(rank, ()))
+        for index, (unit, placed) in enumerate(zip(self.units, self.placed)):
+            if placed is None and (shard := split_shard(unit, rank)) is not None:
+                mine.append((index, shard))
+        mine.sort(key=lambda pair: pair[0])
+        return tuple((self.units[index], shard) for index, shard in mine)
 
 
 Assignment = dict[int, tuple[Shard, ...]]
-"""Shards of some units, keyed by the unit's position in the input."""
+"""Shards of the units a strategy places, keyed by the unit's position in the input (an expert split over its
+holders is left out)."""
 
 
 def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
     return (Shard(rank, 0, unit.rows),)
 
 
+def _pieces(unit: ShardingUnit) -> int:
+    """How many holders an equal split uses: one per holder, fewer when there are fewer rows (at least one)."""
+    return max(1, min(len(unit.holders), unit.rows))
+
+
 def split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
     """Equal row ranges, one per holder (fewer when there are fewer rows than holders): the equal expert split,
     and how ZeRO partitions a unit's optimizer state over its replica group."""
-    pieces = max(1, min(len(unit.holders), unit.rows))
+    pieces = _pieces(unit)
     bounds = [piece * unit.rows // pieces for piece in range(pieces + 1)]
     return tuple(Shard(unit.holders[piece], bounds[piece], bounds[piece + 1]) for piece in range(pieces))
 
 
-def _split_experts(units: Sequence[ShardingUnit]) -> Assignment:
-    return {i: split_over_holders(unit) for i, unit in enumerate(units) if unit.kind == "expert"}
+def split_shard(unit: ShardingUnit, rank: int) -> Shard | None:
+    """``rank``'s shard of :func:`split_over_holders` alone, in O(1) for a ``range`` of holders; ``None`` if it has
+    none (not a holder, or a holder past the unit's rows)."""
+    if rank not in unit.holders:
+        return None
+    piece, pieces = unit.holders.index(rank), _pieces(unit)
+    if piece >= pieces:
+        return None
+    return Shard(rank, piece * unit.rows // pieces, (piece + 1) * unit.rows // pieces)
+
+
+def split_loads(units: Iterable[ShardingUnit], world_size: int) -> list[int]:
+    """Bytes each rank writes of ``units`` split over their holders (:func:`split_over_holders`), without building a
+    shard: units of the same holders and rows share the split's pattern of row counts, so their bytes per row are
+    summed first and the pattern is walked once per such group. O(units + ranks x distinct row counts) for units
+    held by ``range``s (the experts of an EP rank share their holders, and a model's experts a few row counts)."""
+    groups: dict[tuple[tuple[int, ...] | range, int], int] = {}
+    for unit in units:
+        group = (unit.holders, unit.rows)
+        groups[group] = groups.get(group, 0) + unit.row_bytes
+    loads = [0] * world_size
+    for (holders, rows), row_bytes in groups.items():
+        pieces = max(1, min(len(holders), rows))
+        for piece in range(pieces):
+            loads[holders[piece]] += ((piece + 1) * rows // pieces - piece * rows // pieces) * row_bytes
+    return loads
 
 
 def _rank_bytes(units: Sequence[ShardingUnit], assignment: Assignment, world_size: int) -> list[int]:
@@ -295,14 +364,14 @@ def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int], pour: bool
 def _equal_experts(
     units: Sequence[ShardingUnit], world_size: int, base_loads: Sequence[int] | None, pour: bool
 ) -> Assignment:
-    """Experts split over their holders; dense units placed ignoring the rest (``base_loads=None``), or onto
-    the ranks with the fewest bytes counting ``base_loads`` and the expert shards."""
-    experts = _split_experts(units)
+    """Experts split over their holders (left out: :attr:`Ownership.placed` derives them); dense units placed
+    ignoring the rest (``base_loads=None``), or onto the ranks with the fewest bytes counting ``base_loads`` and the
+    expert shards (:func:`split_loads`)."""
     if base_loads is None:
-        return {**experts, **_place_dense(units, [0] * world_size, pour)}
-    expert_loads = _rank_bytes(units, experts, world_size)
+        return _place_dense(units, [0] * world_size, pour)
+    expert_loads = split_loads((unit for unit in units if unit.kind == "expert"), world_size)
     loads = [base + load for base, load in zip(base_loads, expert_loads, strict=True)]
-    return {**experts, **_place_dense(units, loads, pour)}
+    return _place_dense(units, loads, pour)
 
 
 def _equal(units: Sequence[ShardingUnit], world_size: int) -> Assignment:
@@ -372,19 +441,27 @@ def _check_units(units: Sequence[ShardingUnit], topology: Topology) -> None:
 def _ownership(
     strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment
 ) -> Ownership:
+    """The ownership of ``units`` from the placed ones' shards; every unit ``assignment`` leaves out is an expert
+    split over its holders, whose bytes :func:`split_loads` counts."""
+    split = [unit for i, unit in enumerate(units) if i not in assignment]
+    assert all(unit.kind == "expert" for unit in split), "only experts are split over their holders implicitly"
+    loads = split_loads(split, topology.world_size)
+    for rank, placed in enumerate(_rank_bytes(units, assignment, topology.world_size)):
+        loads[rank] += placed
     return Ownership(
         strategy=strategy,
         topology=topology,
         units=units,
-        shards=tuple(assignment[i] for i in range(len(units))),
-        rank_bytes=tuple(_rank_bytes(units, assignment, topology.world_size)),
+        placed=tuple(assignment.get(i) for i in range(len(units))),
+        rank_bytes=tuple(loads),
     )
 
 
 def compute_ownership(units: Sequence[ShardingUnit], topology: Topology, strategy: str) -> Ownership:
     """Ownership of ``units`` under ``strategy`` (one of ``STRATEGIES``), computed afresh.
 
-    Cost is linear in the number of (unit, replica) pairs; prefer the cached ``plan_ownership``.
+    Under ``equal`` and ``adaptive``, O(units + ranks) (the module's cost at scale); ``rank0`` is O(units) and
+    ``dcp_default`` O(unit holders). Prefer the cached ``plan_ownership``.
     """
     units = tuple(units)
     _check_inputs(units, topology, strategy)

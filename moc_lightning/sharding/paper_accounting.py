@@ -37,7 +37,7 @@ from moc_lightning.sharding.ownership import (
     Topology,
     compute_ownership,
     equal_experts_ownership,
-    split_over_holders,
+    split_loads,
 )
 
 
@@ -107,11 +107,7 @@ def _check_parameter_units(units: Sequence[ShardingUnit]) -> None:
 def optimizer_partitions(units: Sequence[ShardingUnit], topology: Topology, optimizer_bytes: int) -> tuple[int, ...]:
     """Bytes of each rank's ZeRO partition of the units' optimizer state: each unit split evenly over its holders."""
     _check_parameter_units(units)
-    loads = [0] * topology.world_size
-    for unit in units:
-        for shard in split_over_holders(unit):
-            loads[shard.rank] += shard.rows * optimizer_bytes
-    return tuple(loads)
+    return tuple(load * optimizer_bytes for load in split_loads(units, topology.world_size))
 
 
 def zero2_checkpoint(

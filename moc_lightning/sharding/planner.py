@@ -3,9 +3,15 @@
 ``MoCSavePlanner`` extends DCP's ``DefaultSavePlanner`` at its narrowest hooks: the local plan lists only
 the row ranges this rank owns (a plain replicated tensor can be split across ranks: each rank writes a
 chunk ``[start, stop)`` along dim 0, and DCP's metadata records the chunks like those of a sharded
-tensor), deduplication is skipped because ownership already made writes disjoint, and ``resolve_data``
-hands the storage writer the owned rows only. The result is a plain DCP checkpoint: ``dcp.load`` with
-DCP's ``DefaultLoadPlanner`` reads it back under any world size, which is what resharding needs.
+tensor), the coordinator's global plan skips DCP's deduplication because ownership already made writes
+disjoint, and ``resolve_data`` hands the storage writer the owned rows only. The result is a plain DCP
+checkpoint: ``dcp.load`` with DCP's ``DefaultLoadPlanner`` reads it back under any world size, which is what
+resharding needs.
+
+The global plan (:func:`disjoint_global_plan`) is DCP's ``create_default_global_save_plan`` and validation in one
+pass over the items, with no deduplication: at 16,384 ranks a DeepSeek-V3-shaped checkpoint has millions of write
+items (each expert's rows split over its 256 replicas), and DCP's default planning has every holder propose its
+whole copy first (twice the items there) and deduplicates them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,15 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.default_planner import _validate_global_plan
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
@@ -130,11 +144,12 @@ class MoCSavePlanner(DefaultSavePlanner):
             tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes)),
         )]
 
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        """Ownership made the writes disjoint already; DCP's dedup would only re-check whole-tensor keys."""
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan, or with ``writes`` (disjoint by construction) :func:`disjoint_global_plan`."""
         if self.writes is None:
-            return super()._dedup_save_plans(all_plans)
-        return all_plans
+            return super().create_global_plan(all_plans)
+        self.global_plan, self.metadata = disjoint_global_plan(all_plans)
+        return self.global_plan, self.metadata
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         """The whole value by key (of a DTensor, this rank's piece): DCP's lookup refuses a plain tensor at a
@@ -166,3 +181,58 @@ def owned_bytes(plan: SavePlan) -> int:
             total += numel * torch.empty((), dtype=data.properties.dtype).element_size()
     return total
 
+
+
+def disjoint_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    """The coordinator's global plan of local plans whose writes are disjoint: DCP's ``create_default_global_save_plan``
+    (every item's chunk appended to its tensor's metadata, the item's index hint rewritten to the chunk's position,
+    as DCP records it in ``.metadata``) built in one pass with no deduplication, then checked as DCP's
+    ``_validate_global_plan`` checks it (:func:`_rows_tile`; on any doubt DCP's own check decides, with its errors).
+
+    O(items) time; DCP's default planner first deduplicates every holder's proposed copy, O(items x replicas).
+    """
+    metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    plans = []
+    for plan in all_plans:
+        items = []
+        for item in plan.items:
+            key = item.index.fqn
+            if item.type != WriteItemType.SHARD and key in metadata:
+                raise ValueError(f"two ranks write {key!r} whole: the write plan must give each byte one writer")
+            if item.type == WriteItemType.BYTE_IO:
+                metadata[key] = BytesStorageMetadata()
+                items.append(item)
+                continue
+            data = item.tensor_data
+            assert data is not None, "every item but a BYTE_IO one describes a tensor"
+            stored = metadata.get(key)
+            if stored is None:
+                stored = metadata[key] = TensorStorageMetadata(properties=data.properties, size=data.size, chunks=[])
+            assert isinstance(stored, TensorStorageMetadata), f"{key!r} is written both as bytes and as a tensor"
+            index = MetadataIndex(key, item.index.offset, len(stored.chunks))
+            items.append(WriteItem(index=index, type=item.type, tensor_data=data))
+            stored.chunks.append(data.chunk)
+        plans.append(dataclasses.replace(plan, items=items))
+    result = Metadata(metadata)
+    if not all(_rows_tile(stored) for stored in metadata.values() if isinstance(stored, TensorStorageMetadata)):
+        errors = _validate_global_plan(plans, result)
+        if errors:
+            raise ValueError(f"Failed to validate global plan: {'; '.join(errors)[:500]}")
+    return plans, result
+
+
+def _rows_tile(stored: TensorStorageMetadata) -> bool:
+    """Whether the chunks of a tensor are full-width row ranges that tile its rows exactly once (what ownership
+    writes); a scalar passes, as in DCP's check."""
+    size, chunks = stored.size, stored.chunks
+    if len(size) == 0:
+        return True
+    if len(chunks) == 1:  # one writer: most tensors, whatever the world size
+        return not any(chunks[0].offsets) and chunks[0].sizes == size
+    rest = list(size[1:])
+    expected = 0
+    for chunk in sorted(chunks, key=lambda chunk: chunk.offsets[0]):
+        if chunk.offsets[0] != expected or any(chunk.offsets[1:]) or list(chunk.sizes[1:]) != rest:
+            return False
+        expected += chunk.sizes[0]
+    return expected == size[0]
