@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,14 @@ from moc_lightning.lightning.evaluation import newest_weights, no_best
 from moc_lightning.lightning.loads import complete_restores_in_restore, moc_io, route_strategy_loads
 from moc_lightning.lightning.recovery import checkpoint_from, fresh_checkpoint, restore_optimizer
 from moc_lightning.lightning.replay_wiring import ReplayAttribute, ReplayWiring
-from moc_lightning.lightning.reporting import PersistLog, fit_summary, report_recovery, report_replay, snapshot_metrics
+from moc_lightning.lightning.reporting import (
+    PersistLog,
+    fit_summary,
+    log_now,
+    report_recovery,
+    report_replay,
+    snapshot_metrics,
+)
 from moc_lightning.lightning.shared_memory import check_shm_root, remove_slots
 from moc_lightning.lightning.start import agreed_manifest
 from moc_lightning.lightning.tokens import TokenCounts
@@ -100,6 +108,8 @@ class MoCCheckpoint(Checkpoint):
         self._trainer: L.Trainer | None = None
         self._module: L.LightningModule | None = None
         self._last_step = -1
+        self._vote_step = -1
+        """The snapshot step whose persist vote was started last (once, under gradient accumulation too)."""
         self._slots_sized = False
         self._restored_state: dict[str, Any] | None = None
         self._step_state: dict[str, Any] | None = None
@@ -225,6 +235,7 @@ class MoCCheckpoint(Checkpoint):
         engine = self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         self.replay.begin_capture(engine.rank)
         self._slots_sized = False
+        self._vote_step = -1
         self._persist_log = PersistLog()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -262,16 +273,22 @@ class MoCCheckpoint(Checkpoint):
         if not self._slots_sized and self.replay.capture is None:  # replay mode's windows are sized apart
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
-        snapshot_due = (
-            self.config.mode == "pec" and step != self._last_step and step % self.config.every_n_train_steps == 0
-        )
+        pec_mode, every = self.config.mode == "pec", self.config.every_n_train_steps
+        snapshot_due = pec_mode and step != self._last_step and step % every == 0
+        capture_seconds = 0.0
         if snapshot_due or 0 < trainer.max_steps <= step or trainer.should_stop:
+            start = time.perf_counter()
             self._step_state = trainer_state.capture(trainer, self.state_key)
+            capture_seconds = time.perf_counter() - start
         if snapshot_due:
             self._last_step = step
-            engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
+            engine.snapshot(step, self._step_state, not self._final(trainer), capture_seconds)
         self.replay.batch_end(trainer, engine, self.state_key)
         engine.poll_persist()
+        if pec_mode and (step + 1) % every == 0 and self._vote_step != step + 1:
+            # the next step takes a snapshot: its persist vote arrives during that step's forward and backward
+            self._vote_step = step + 1
+            engine.start_vote()
         self._persist_log.log_new(trainer, engine.stats)
         engine.faults.at("train", step)
 
@@ -283,7 +300,7 @@ class MoCCheckpoint(Checkpoint):
         had_snapshot = engine.stats.snapshots
         engine.wait_snapshot()
         if engine.stats.snapshots > had_snapshot:
-            pl_module.log_dict(snapshot_metrics(engine, self.plt_known), on_step=True, on_epoch=False)
+            log_now(trainer, snapshot_metrics(engine, self.plt_known))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.replay.finish()

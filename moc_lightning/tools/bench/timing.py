@@ -7,10 +7,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # the bounds measure through fitting, which imports this module
+    from moc_lightning.tools.bench.bounds import Bounds
 
 
 def timed(
@@ -91,6 +94,8 @@ class Probe:
 
     blocking: list[tuple[int, float]] = field(default_factory=list)
     """The checkpoint callback's hook on the training thread."""
+    joins: list[tuple[int, float]] = field(default_factory=list)
+    """The checkpoint callback's hook before each optimizer step (MoC: the join of the copy thread's work)."""
     snapshot: list[tuple[int, float]] = field(default_factory=list)
     """Copies of the state into memory, where the method makes one."""
     persist: list[tuple[int, float]] = field(default_factory=list)
@@ -123,6 +128,10 @@ class Row:
     persist_gbps: float | None = None
     snapshot_pct_of_light: float | None = None
     persist_pct_of_light: float | None = None
+    snapshot_light_gbps: float | None = None
+    snapshot_light_ms: float | None = None
+    stall_breakdown_ms: dict[str, float] | None = None
+    blocking_votes: int | None = None
     recover_seconds: float | None = None
     replay_seconds: float | None = None
     restore_memory_seconds: float | None = None
@@ -147,7 +156,6 @@ class Baseline:
     """Mean CPU time of the process per iteration without checkpointing."""
     state_bytes: int
     """Weights and optimizer state."""
-    copy_gbps: float
-    """Speed of light of a snapshot: copy into a reused, preallocated buffer."""
-    write_fsync_gbps: float
-    """Speed of light of a persist: sequential write + fsync to the checkpoint directory's storage."""
+    bounds: Bounds
+    """Speed of light of a snapshot (copy into a reused, preallocated buffer) and of a persist (sequential write +
+    fsync to the checkpoint directory's storage): trials at the start and after each method's run, the best kept."""
