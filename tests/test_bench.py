@@ -163,6 +163,11 @@ def test_two_processes_measure_moc_beside_dcp_and_skip_what_cannot_save_the_mode
     light_ms = copied / (result["speed_of_light"]["copy_gbps"] * 1e9) * 1000
     assert f"its copy alone, {copied / 1e6:.2f} MB a snapshot on rank 0 at the speed of light, takes {light_ms:.2f} ms" \
         in proc.stdout
+    parts = k1["stall_breakdown_ms"]  # issue 30: where the stall goes, the slowest rank's per snapshot
+    assert list(parts) == ["trainer_state", "agreement", "preparation", "copy", "wait", "hook"]
+    assert sum(parts.values()) == pytest.approx(k1["stall_ms_mean"], abs=0.01)
+    assert k1["snapshot_light_ms"] > 0 and k1["blocking_votes"] == 0, "step 8's vote was started at step 7"
+    assert f"moc_k1 stall {k1['stall_ms_mean']:.3f} ms = trainer state {parts['trainer_state']:.3f}" in proc.stdout
     assert not list(tmp_path.glob("moc_bench_*")), "the shared slot directory is removed"
 
 
