@@ -106,28 +106,30 @@ def _breakdown_ms(phases: list[tuple[float, ...]] | None) -> dict[str, float] | 
 
 
 def snapshot_light(method: Method, row: Row, repeats: int = 5) -> None:
-    """The speed of light of the method's own snapshot copy, measured now (after its run, before its model is freed):
-    the best of ``repeats`` copies of exactly the tensors its latest snapshot copied into a reused buffer; and the
-    time its mean snapshot's bytes take at that speed (the slowest rank's). A method that copies the whole state is
-    bounded by the state's copy instead (:func:`against_light`)."""
+    """The copy of the method's own snapshot tensors, measured now (after its run, before its model is freed): the best
+    of ``repeats`` copies of exactly the tensors its latest snapshot copied into a reused buffer, and its mean
+    snapshot's bytes; :func:`against_light` makes the bound of them. A method that copies the whole state is bounded
+    by the state's copy alone."""
     tensors = method.copied_tensors()
     if tensors is None:  # the same on every rank: it is the method's kind
         return
-    copied = method.snapshot_bytes_mean() or 0.0
-    gbps = copy_gbps(tensors, repeats) if copied else 0.0
-    if gbps:
-        row.snapshot_light_gbps = round(gbps, 3)
-    row.snapshot_light_ms = round(slowest([copied / (gbps * GB) * 1000 if gbps else 0.0])[0], 3)
+    row.snapshot_bytes_mean = method.snapshot_bytes_mean() or 0.0
+    if row.snapshot_bytes_mean:
+        row.snapshot_light_gbps = round(copy_gbps(tensors, repeats), 3)
 
 
 def against_light(row: Row, bounds: Bounds) -> None:
-    """``row``'s snapshot and persist throughput as % of their speed of light, once every trial of the bounds is in:
-    the copy of its own snapshot's tensors where :func:`snapshot_light` measured it, else of the whole state (the best
-    trial of the run); the best write+fsync trial of the run."""
-    if row.snapshot_gbps is not None and row.snapshot_light_gbps is None:
-        row.snapshot_light_gbps = bounds.copy_gbps
-    if row.snapshot_light_gbps is not None:
+    """``row``'s snapshot and persist throughput as % of their speed of light, once every trial of the bounds is in
+    (collective where a row has its own snapshot bytes: the slowest rank's time for them). A snapshot's speed of light
+    is the faster of the copy of its own tensors (:func:`snapshot_light`) and the best copy of the whole state of the
+    run (a trial at one loaded moment can only make a bound lower, never higher); a persist's, the best write+fsync
+    trial of the run."""
+    if row.snapshot_gbps is not None or row.snapshot_light_gbps is not None:
+        row.snapshot_light_gbps = max(row.snapshot_light_gbps or 0.0, bounds.copy_gbps)
         row.snapshot_pct_of_light = _pct(row.snapshot_gbps, row.snapshot_light_gbps)
+    if row.snapshot_bytes_mean is not None:
+        gbps = row.snapshot_light_gbps or bounds.copy_gbps
+        row.snapshot_light_ms = round(slowest([row.snapshot_bytes_mean / (gbps * GB) * 1000])[0], 3)
     row.persist_pct_of_light = _pct(row.persist_gbps, bounds.write_fsync_gbps)
 
 

@@ -130,6 +130,7 @@ class Row:
     persist_pct_of_light: float | None = None
     snapshot_light_gbps: float | None = None
     snapshot_light_ms: float | None = None
+    snapshot_bytes_mean: float | None = None
     stall_breakdown_ms: dict[str, float] | None = None
     blocking_votes: int | None = None
     recover_seconds: float | None = None
