@@ -76,9 +76,9 @@ class AlignRanks(L.Callback):
 
     Ranks drift apart within an iteration (one is preempted, or its share took longer); synchronous training waits
     the lag out at its next collective. Without the barrier, the first blocking collective of a checkpoint (DCP's
-    planning; MoC's vote where it is taken at the snapshot) is where it is waited out, and the stall timed around the checkpoint callback would
-    charge training's own lag to the checkpoint: on the loaded 2-core machine 0-90 ms under ``fsdp2``, more than
-    MoC's own work. Every run, the baseline included, gets the same barrier, so iteration times stay comparable.
+    planning; MoC's vote where it is taken at the snapshot) is where it is waited out, and the stall timed around the
+    checkpoint callback would charge training's own lag to the checkpoint: on the loaded 2-core machine 0-90 ms under
+    ``fsdp2``, more than MoC's own work. Every run, the baseline included, gets the same barrier, so iteration times stay comparable.
     """
 
     def on_train_batch_end(
