@@ -9,7 +9,9 @@ Add it to a Trainer and resume through Lightning's usual door::
 Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (persistent buffers are
 copied there and then; weights and optimizer state by a background thread, from host memory or on a side CUDA
 stream, while the next forward/backward runs) and that thread commits it; the next optimizer step
-(``on_before_optimizer_step``) waits only for what is not done. Every ``persist_every_n_snapshots``
+(``on_before_optimizer_step``) waits only for what is not done; the batch end before a snapshot step starts the
+ranks' vote on whether its persist may start, read at the snapshot without waiting
+(:mod:`~moc_lightning.memory.persist_vote`). Every ``persist_every_n_snapshots``
 snapshots one is persisted to storage in the background (a lineage's first one with every unit, see
 ``complete_first_persist``), and when ``fit`` ends every unit is persisted.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from
