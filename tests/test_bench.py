@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from moc_lightning.tools.bench import (
     tensor_bytes,
 )
 from moc_lightning.tools.bench.config import train_config
+from moc_lightning.tools.bench.timing import Row
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
            "recover_seconds")
@@ -161,6 +163,11 @@ def test_two_processes_measure_moc_beside_dcp_and_skip_what_cannot_save_the_mode
     light_ms = copied / (result["speed_of_light"]["copy_gbps"] * 1e9) * 1000
     assert f"its copy alone, {copied / 1e6:.2f} MB a snapshot on rank 0 at the speed of light, takes {light_ms:.2f} ms" \
         in proc.stdout
+    parts = k1["stall_breakdown_ms"]  # issue 30: where the stall goes, the slowest rank's per snapshot
+    assert list(parts) == ["trainer_state", "agreement", "preparation", "copy", "wait", "hook"]
+    assert sum(parts.values()) == pytest.approx(k1["stall_ms_mean"], abs=0.01)
+    assert k1["snapshot_light_ms"] > 0 and k1["blocking_votes"] == 0, "step 8's vote was started at step 7"
+    assert f"moc_k1 stall {k1['stall_ms_mean']:.3f} ms = trainer state {parts['trainer_state']:.3f}" in proc.stdout
     assert not list(tmp_path.glob("moc_bench_*")), "the shared slot directory is removed"
 
 
@@ -244,3 +251,30 @@ def _check_restores(replay: dict, copy_gbps: float) -> None:
         assert 0 < seconds and 0 < replay[replayed] and seconds + replay[replayed] < replay[recover], level
         light = window / (gbps * 1e9)
         assert replay[f"restore_{level}_light_ratio"] == pytest.approx(seconds / light, rel=0.01), level
+
+
+def test_the_table_says_where_a_moc_stall_goes_and_flags_a_bound_that_was_exceeded() -> None:
+    """Issue 30 item 3: each MoC row's stall by phase beside its copy at the speed of light and the bound on it; a
+    throughput above its speed of light is called out (the bound was not one). Failed on 86abbc6 (no such lines)."""
+    phases = {"trainer_state": 0.2, "agreement": 0.05, "preparation": 0.3, "copy": 1.9, "wait": 0.05, "hook": 0.5}
+    k1 = asdict(Row(name="moc_k1", checkpoints=4, stall_ms_mean=3.0, bytes_per_iteration=6e6, snapshot_gbps=19.0,
+                    snapshot_pct_of_light=95.0,
+                    persist_pct_of_light=50.0, snapshot_light_gbps=20.0, snapshot_light_ms=1.6, blocking_votes=0,
+                    stall_breakdown_ms=phases))  # fmt: skip
+    dcp_row = asdict(Row(name="dcp_async", checkpoints=4, stall_ms_mean=60.0, snapshot_gbps=13.0,
+                         snapshot_pct_of_light=130.0, persist_pct_of_light=80.0))  # fmt: skip
+    result = {
+        "world_size": 2, "data_parallel": "fsdp2", "precision": "32-true", "setup": "same", "steps": 20,
+        "every_n_train_steps": 5, "state_bytes": 10**8, "baseline_iter_ms": 100.0,
+        "speed_of_light": {"copy_gbps": 10.0, "write_fsync_gbps": 1.0},
+        "speed_of_light_trials": {"copy_gbps": [9.0, 10.0], "write_fsync_gbps": [1.0, 0.5]}, "methods": [k1, dcp_row],
+    }  # fmt: skip
+    table = markdown_table(result)
+    assert ("moc_k1 stall 3.000 ms = trainer state 0.200, agreement 0.050, preparation 0.300, copy 1.900, wait 0.050, "
+            "hook 0.500 (ms, per snapshot, the slowest rank's); its copy at the speed of light 1.600 ms (20.0 GB/s); "
+            "stall 1.88x that, 1.100 ms besides the copy; bound 1.5x + 0.5 ms = 2.900 ms: not met; "
+            "0 blocking vote(s)") in table
+    assert "best of 2 trials interleaved with the methods: copy [9.0, 10.0] GB/s" in table
+    assert "dcp_async's snapshot throughput is 130.0% of its speed of light: not a bound in this run" in table
+    assert "moc_k1's" not in table and "dcp_async stall" not in table
+    assert bounds.Bounds([9.0, 10.0], [1.0, 0.5]).copy_gbps == 10.0

@@ -63,6 +63,7 @@ def test_snapshot_every_step_is_taken_timed_and_committed(tmp_path: Path) -> Non
     mean_stall = sum(stats.stall_seconds) / len(stats.stall_seconds)
     print(f"mean stall {mean_stall * 1e3:.3f} ms per snapshot, mean step {timer.mean_step * 1e3:.2f} ms")
     assert stats.snapshots == 40 and stats.persists >= 1 and stats.persists + stats.skipped_persists == 4
+    assert not any(p.blocking_vote for p in stats.stall_phases), "each persist vote was started the step before"
     assert len(stats.stall_seconds) == len(stats.copy_seconds) == len(stats.snapshot_seconds) == 40
     for stall, wait, copy, snapshot in zip(stats.stall_seconds, stats.wait_seconds, stats.copy_seconds,
                                            stats.snapshot_seconds):  # fmt: skip

@@ -191,8 +191,9 @@ def _collectives_of_a_snapshot(rank: int, world_size: int, root: str) -> dict[st
     return {"all_reduces": all_reduce.call_count, "persists": engine.stats.persists}
 
 
-def test_a_persisted_snapshot_waits_for_the_other_ranks_once(tmp_path: Path) -> None:
-    """Each collective on the training thread waits for the slowest rank: the router counts and the agreement to
-    persist (no rank has a persist in flight) travel in one all-reduce."""
+def test_a_first_snapshot_sends_one_collective_and_persists(tmp_path: Path) -> None:
+    """Before any persist has started none can be running, so the first snapshot needs no persist vote: its one
+    collective is the router counts' sum, which it does not wait for (``tests/test_snapshot_agreement.py`` has the
+    snapshots after it)."""
     for rank in run_ranks(_collectives_of_a_snapshot, 2, tmp_path, str(tmp_path)):
         assert rank == {"all_reduces": 1, "persists": 1}

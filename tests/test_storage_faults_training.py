@@ -42,6 +42,7 @@ def test_failed_persists_are_counted_and_training_reaches_max_steps(
     # The last step's snapshot is not persist-due: the persist of every unit at the end of fit covers it.
     assert stats.failed_persists >= 1 and stats.persists >= 1
     assert stats.failed_persists + stats.persists + stats.skipped_persists == stats.snapshots - 1 == 11
+    assert not any(p.blocking_vote for p in stats.stall_phases), "each persist vote was started the step before"
     manifest = moc.engine.pec.read_manifest()
     assert stats.final_persist is not None and manifest.latest.step == stats.final_persist.step == 24
     assert manifest.records[-2].step == stats.persist_reports[-1].step

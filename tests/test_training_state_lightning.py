@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.data import DataConfig, LMDataModule
+from moc_lightning.engine.trainer_state import loops_state
 from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.models.lightning import GPTMoEModule
 
@@ -65,13 +66,25 @@ def _data(cls: type[LMDataModule] = LMDataModule, batch_size: int = 8) -> LMData
     return cls(DataConfig(batch_size=batch_size), block_size=MODEL.block_size, vocab_size=MODEL.vocab_size)
 
 
+class LoopsAlike(L.Callback):
+    """Compares, at every batch end, the loops' state a snapshot captures with Lightning's own."""
+
+    def __init__(self) -> None:
+        self.alike: list[bool] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.alike.append(loops_state(trainer) == trainer._checkpoint_connector._get_loops_state_dict())
+
+
 def test_module_callback_and_datamodule_additions_come_back(tmp_path: Path) -> None:
     config = moc_config(
         tmp_path, every_n_train_steps=5, persist_every_n_snapshots=100, persist_on_fit_end=False,
         remove_snapshots_on_fit_end=False,  # a planned restart: the state of step 10 lives only in memory
     )
-    moc = MoCCheckpoint(config)
-    cpu_trainer(tmp_path / "run", 10, [moc, HookedCallback()]).fit(HookedModule(MODEL), datamodule=_data(StatefulData))
+    moc, loops = MoCCheckpoint(config), LoopsAlike()
+    cpu_trainer(tmp_path / "run", 10, [moc, HookedCallback(), loops]).fit(HookedModule(MODEL),
+                                                                         datamodule=_data(StatefulData))
+    assert loops.alike == [True] * 10, "the loops' state as Lightning's _get_loops_state_dict builds it"
 
     moc, callback, module, data = MoCCheckpoint(config), HookedCallback(), HookedModule(MODEL), _data(StatefulData)
     cpu_trainer(tmp_path / "run", 12, [moc, callback]).fit(module, datamodule=data, ckpt_path=moc.resume_target())

@@ -159,10 +159,20 @@ class TokenLedger:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state(self._now, self._marks)
+
+    def state_dict_after(self, counts: Sequence[torch.Tensor], assigned: Sequence[int], step: int) -> dict[str, Any]:
+        """:meth:`state_dict` as it will be once ``counts`` and ``assigned`` (one step's or interval's, per MoE layer)
+        are recorded and ``step`` is marked, leaving this ledger as it is (read off the thread that changes it)."""
+        processed = tuple(now + c.to(torch.int64) for now, c in zip(self._now.processed, counts, strict=True))
+        now = _Counts(processed, self._now.assigned + torch.tensor(list(assigned), dtype=torch.int64))
+        return self._state(now, {**self._marks, step: now})
+
+    def _state(self, now: _Counts, marks: Mapping[int, _Counts]) -> dict[str, Any]:
         return {
             "num_experts": list(self.num_experts),
-            "now": _counts_state(self._now),
-            "marks": {s: _counts_state(c) for s, c in self._marks.items()},
+            "now": _counts_state(now),
+            "marks": {s: _counts_state(c) for s, c in marks.items()},
             "lost_total": list(self._lost_total),
             "plt_denominator": list(self._plt_denominator),
         }

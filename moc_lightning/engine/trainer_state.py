@@ -13,6 +13,8 @@ The ``on_save_checkpoint`` hooks see the dict without tensors: its ``state_dict`
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 import warnings
 from typing import Any
@@ -22,6 +24,8 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.trainer import call
 
 RNG_KEY = "moc_rng"
@@ -32,14 +36,20 @@ _NO_TENSORS = ("state_dict",)
 
 def capture(trainer: L.Trainer, own_key: str) -> dict[str, Any]:
     """This rank's checkpoint dict without tensors, as of now (the end of a training step)."""
-    callbacks = call._call_callbacks_state_dict(trainer)
-    callbacks.pop(own_key, None)  # the engine's own state travels separately, as of the resume step
+    # as Lightning's _call_callbacks_state_dict, but without building the caller's own (the engine's state travels
+    # separately, as of the resume step): building it only to drop it cost every snapshot the ledger's conversion
+    every: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    callbacks = {
+        callback.state_key: state
+        for callback in every
+        if callback.state_key != own_key and (state := callback.state_dict())
+    }
     checkpoint: dict[str, Any] = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": L.__version__,
         "state_dict": {},
-        "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+        "loops": loops_state(trainer),
         "callbacks": callbacks,
         "optimizer_states": [{"param_groups": _param_groups(optimizer)} for optimizer in trainer.optimizers],
         "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -58,6 +68,49 @@ def capture(trainer: L.Trainer, own_key: str) -> dict[str, Any]:
         checkpoint.pop(key, None)
     checkpoint[RNG_KEY] = _collect_rng_states(include_cuda=torch.cuda.is_available())
     return checkpoint
+
+
+def loops_state(trainer: L.Trainer) -> dict[str, Any]:
+    """Lightning's ``_CheckpointConnector._get_loops_state_dict()``, every loop's ``state_dict``, built as Lightning
+    builds it but with each progress counter read field by field: ``dataclasses.asdict``'s generic deep copy of the
+    counters took three quarters of a capture (0.3 of 0.4 ms on the reference machine, on the training thread at every
+    snapshot). ``tests/test_training_state_lightning.py`` holds it equal to Lightning's own."""
+    return {name: _loop_state(getattr(trainer, name)) for name in _LOOPS}
+
+
+_LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+
+
+def _loop_state(loop: _Loop, destination: dict[str, Any] | None = None, prefix: str = "") -> dict[str, Any]:
+    """``_Loop.state_dict``: the loop's own ``on_save_checkpoint``, its progress counters and its child loops'."""
+    destination = {} if destination is None else destination
+    destination[prefix + "state_dict"] = loop.on_save_checkpoint()
+    for name, value in loop.__dict__.items():
+        if isinstance(value, _BaseProgress):
+            destination[prefix + name] = _progress_state(value)
+        elif isinstance(value, _Loop):
+            _loop_state(value, destination, prefix + name + ".")
+    return destination
+
+
+def _progress_state(progress: _BaseProgress) -> dict[str, Any]:
+    """``dataclasses.asdict`` of a progress counter: its fields, nested counters as dicts, other values copied."""
+    kind = type(progress)
+    names = _FIELDS.get(kind)
+    if names is None:
+        names = _FIELDS[kind] = tuple(field.name for field in dataclasses.fields(progress))
+    state: dict[str, Any] = {}
+    for name in names:
+        value = getattr(progress, name)
+        if isinstance(value, _BaseProgress):
+            state[name] = _progress_state(value)
+        else:
+            state[name] = value if isinstance(value, (int, float, bool, str, type(None))) else copy.deepcopy(value)
+    return state
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+"""The field names of each progress counter class, as ``dataclasses.fields`` gives them (looked up once)."""
 
 
 def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -9,7 +9,9 @@ Add it to a Trainer and resume through Lightning's usual door::
 Every ``every_n_train_steps`` steps the train-batch end takes an in-memory snapshot (persistent buffers are
 copied there and then; weights and optimizer state by a background thread, from host memory or on a side CUDA
 stream, while the next forward/backward runs) and that thread commits it; the next optimizer step
-(``on_before_optimizer_step``) waits only for what is not done. Every ``persist_every_n_snapshots``
+(``on_before_optimizer_step``) waits only for what is not done; the batch end before a snapshot step starts the
+ranks' vote on whether its persist may start, read at the snapshot without waiting
+(:mod:`~moc_lightning.memory.persist_vote`). Every ``persist_every_n_snapshots``
 snapshots one is persisted to storage in the background (a lineage's first one with every unit, see
 ``complete_first_persist``), and when ``fit`` ends every unit is persisted.
 ``ckpt_path`` equal to the storage URL makes Lightning restore through a two-level recovery: units from
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,14 @@ from moc_lightning.lightning.evaluation import newest_weights, no_best
 from moc_lightning.lightning.loads import complete_restores_in_restore, moc_io, route_strategy_loads
 from moc_lightning.lightning.recovery import checkpoint_from, fresh_checkpoint, restore_optimizer
 from moc_lightning.lightning.replay_wiring import ReplayAttribute, ReplayWiring
-from moc_lightning.lightning.reporting import PersistLog, fit_summary, report_recovery, report_replay, snapshot_metrics
+from moc_lightning.lightning.reporting import (
+    PersistLog,
+    fit_summary,
+    log_now,
+    report_recovery,
+    report_replay,
+    snapshot_metrics,
+)
 from moc_lightning.lightning.shared_memory import check_shm_root, remove_slots
 from moc_lightning.lightning.start import agreed_manifest
 from moc_lightning.lightning.tokens import TokenCounts
@@ -100,6 +110,8 @@ class MoCCheckpoint(Checkpoint):
         self._trainer: L.Trainer | None = None
         self._module: L.LightningModule | None = None
         self._last_step = -1
+        self._vote_step = -1
+        """The snapshot step whose persist vote was started last (once, under gradient accumulation too)."""
         self._slots_sized = False
         self._restored_state: dict[str, Any] | None = None
         self._step_state: dict[str, Any] | None = None
@@ -225,6 +237,7 @@ class MoCCheckpoint(Checkpoint):
         engine = self._build_engine(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         self.replay.begin_capture(engine.rank)
         self._slots_sized = False
+        self._vote_step = -1
         self._persist_log = PersistLog()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -262,16 +275,22 @@ class MoCCheckpoint(Checkpoint):
         if not self._slots_sized and self.replay.capture is None:  # replay mode's windows are sized apart
             engine.reserve_slots()  # the first optimizer step has created the optimizer state by now
             self._slots_sized = True
-        snapshot_due = (
-            self.config.mode == "pec" and step != self._last_step and step % self.config.every_n_train_steps == 0
-        )
+        pec_mode, every = self.config.mode == "pec", self.config.every_n_train_steps
+        snapshot_due = pec_mode and step != self._last_step and step % every == 0
+        capture_seconds = 0.0
         if snapshot_due or 0 < trainer.max_steps <= step or trainer.should_stop:
+            start = time.perf_counter()
             self._step_state = trainer_state.capture(trainer, self.state_key)
+            capture_seconds = time.perf_counter() - start
         if snapshot_due:
             self._last_step = step
-            engine.snapshot(step, self._step_state, may_persist=not self._final(trainer))
+            engine.snapshot(step, self._step_state, not self._final(trainer), capture_seconds)
         self.replay.batch_end(trainer, engine, self.state_key)
         engine.poll_persist()
+        if pec_mode and (step + 1) % every == 0 and self._vote_step != step + 1:
+            # the next step takes a snapshot: its persist vote arrives during that step's forward and backward
+            self._vote_step = step + 1
+            engine.start_vote()
         self._persist_log.log_new(trainer, engine.stats)
         engine.faults.at("train", step)
 
@@ -283,7 +302,7 @@ class MoCCheckpoint(Checkpoint):
         had_snapshot = engine.stats.snapshots
         engine.wait_snapshot()
         if engine.stats.snapshots > had_snapshot:
-            pl_module.log_dict(snapshot_metrics(engine, self.plt_known), on_step=True, on_epoch=False)
+            log_now(trainer, snapshot_metrics(engine, self.plt_known))
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.replay.finish()

@@ -3,8 +3,9 @@
 From the LightningModule come the expert-parallel topology (``expert_topology``; without one every rank holds every
 expert) and the layout of its units; over them a :class:`PECCheckpointer` on this run's storage, and for a fit the
 :class:`TwoLevelCheckpointer` with its snapshot slots in shared memory. The order matters where it is collective:
-process groups are created in the same order on every rank, and a node an injected fault loses is gone before any
-rank takes inventory.
+process groups are created in the same order on every rank (the persist group with the PEC engine, then the
+snapshots' agreement group with the two-level one), and a node an injected fault loses is gone before any rank takes
+inventory.
 """
 
 from __future__ import annotations

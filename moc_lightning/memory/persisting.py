@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import torch
-import torch.distributed as dist
-
 from moc_lightning.engine.parts import part_key_of
 from moc_lightning.engine.units import Unit, parse_unit
 from moc_lightning.memory.snapshot import SlotMeta, SnapshotStore
@@ -21,7 +18,6 @@ from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.pec.outcomes import PersistFailed
 from moc_lightning.pec.persist import SaveReport
 from moc_lightning.runtime.background import background_executor
-from moc_lightning.runtime.distributed import collective_device
 from moc_lightning.runtime.faults import FaultInjector
 from moc_lightning.storage import find_cause
 
@@ -29,8 +25,8 @@ from moc_lightning.storage import find_cause
 class PersistQueue:
     """Runs persists of snapshot slots in the background, one at a time, and accounts them.
 
-    Public: :meth:`start`, :meth:`poll`, :meth:`wait`, :meth:`running`, :meth:`agreed`, :meth:`slots_in_use`;
-    ``in_flight`` (the running persist's future, ``None`` when none is).
+    Public: :meth:`start`, :meth:`poll`, :meth:`wait`, :meth:`running`, :meth:`reaped`, :meth:`agreed`,
+    :meth:`slots_in_use`; ``in_flight`` (the running persist's future, ``None`` when none is) and ``started``.
     """
 
     def __init__(
@@ -42,6 +38,9 @@ class PersistQueue:
         self._stats = stats
         self._executor = background_executor("moc-persist")
         self.in_flight: Future[SaveReport] | None = None
+        self.started = 0
+        """Persists started so far: the same count on every rank, since every rank starts the persists they agreed
+        on."""
         self._persisting_slot: int | None = None
         self._recovery_slot: int | None = None
         self._outcomes: list[SaveReport | None] = []
@@ -55,6 +54,7 @@ class PersistQueue:
         self.poll()
         self._persisting_slot = meta.slot
         self.in_flight = self._executor.submit(self._persist_slot, meta, units, parts)
+        self.started += 1
 
     def running(self) -> bool:
         """Whether a persist is in flight and not finished (this rank's view; the ranks sum it before deciding)."""
@@ -93,14 +93,15 @@ class PersistQueue:
             self.in_flight.exception()
         self.poll()
 
-    def agreed(self) -> list[SaveReport]:
-        """The successful persists every rank has reaped (collective): a view of storage all ranks share,
-        where the manifest itself may be mid-commit on the coordinator while others read it."""
-        count = torch.tensor([len(self._outcomes)])
-        if dist.is_initialized():
-            count = count.to(collective_device())
-            dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        return [r for r in self._outcomes[: int(count.item())] if r is not None]
+    def reaped(self) -> int:
+        """How many persists this rank has accounted (:meth:`poll`), successful or not."""
+        return len(self._outcomes)
+
+    def agreed(self, reaped_everywhere: int) -> list[SaveReport]:
+        """The successful persists among the first ``reaped_everywhere``, the number every rank has reaped (the least of
+        their :meth:`reaped`, agreed by a :class:`~moc_lightning.memory.persist_vote.PersistVote`): a view of storage
+        all ranks share, where the manifest itself may be mid-commit on the coordinator while others read it."""
+        return [r for r in self._outcomes[:reaped_everywhere] if r is not None]
 
     def _persist_slot(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> SaveReport:
         wanted = {u.key for u in units}

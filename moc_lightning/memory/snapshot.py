@@ -294,15 +294,33 @@ class SnapshotStore:
     ) -> tuple[dict[str, SlotEntry], list[torch.Tensor]]:
         """Invalidate ``slot`` and return its layout for ``tensors`` and a view of the slot for each."""
         self.invalidate(slot)
-        signature = tuple((t.dtype, t.shape) for t in tensors.values())
+        signature = _signature(tensors)
         cached = self._targets.get((slot, signature))
         if cached is None:
             entries, nbytes = layout_entries(tensors)
-            mapping = self._map(slot, nbytes)
-            cached = list(entries.values()), [view_of(mapping, entry) for entry in entries.values()]
-            self._targets[(slot, signature)] = cached
+            cached = self._lay_out(slot, signature, entries, self._map(slot, nbytes))
         placed, views = cached
         return dict(zip(tensors, placed)), views
+
+    def prepare(self, slots: Collection[int], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Lay out tensors shaped like ``tensors`` in each of ``slots`` now, with a view of the slot for each, so that a
+        later snapshot shaped the same (the sequential selection's next experts) finds them built: a copy thread does
+        it after a commit, while no snapshot is taken. A slot not mapped large enough yet is left alone (a mapping
+        grows only on the snapshot's thread)."""
+        signature = _signature(tensors)
+        entries, nbytes = layout_entries(tensors)
+        for slot in slots:
+            mapping = self._mappings.get(slot)
+            if (slot, signature) not in self._targets and mapping is not None and len(mapping) >= nbytes:
+                self._lay_out(slot, signature, entries, mapping)
+
+    def _lay_out(
+        self, slot: int, signature: tuple, entries: dict[str, SlotEntry], mapping: mmap.mmap
+    ) -> tuple[list[SlotEntry], list[torch.Tensor]]:
+        """The places and views of ``entries`` in ``slot``'s ``mapping``, kept for snapshots of ``signature``."""
+        laid_out = list(entries.values()), [view_of(mapping, entry) for entry in entries.values()]
+        self._targets[(slot, signature)] = laid_out
+        return laid_out
 
     def _unpin(self, mapping: mmap.mmap) -> None:
         """Undo the page-locking of a mapping that is being replaced or removed."""
@@ -386,6 +404,11 @@ def map_file(path: Path, nbytes: int) -> mmap.mmap:
     with open(path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def _signature(tensors: Mapping[str, torch.Tensor]) -> tuple:
+    """What a slot's layout of ``tensors`` depends on: their dtypes and shapes in order, not their names."""
+    return tuple((t.dtype, t.shape) for t in tensors.values())
 
 
 def view_of(mapping: bytes | mmap.mmap, entry: SlotEntry) -> torch.Tensor:

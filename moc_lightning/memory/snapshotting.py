@@ -13,20 +13,26 @@ state), so a lost node loses whole units. Under FSDP2 every holder snapshots its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from moc_lightning.engine.parts import split_part_key
 from moc_lightning.engine.slots import is_buffer_key
 from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.encoding import encode_state
+from moc_lightning.memory.persist_vote import PersistVote
 from moc_lightning.memory.persisting import PersistQueue
 from moc_lightning.memory.snapshot import NUM_SLOTS, Fill, SlotMeta, SnapshotStore
-from moc_lightning.memory.stats import CheckpointStats
+from moc_lightning.memory.stats import CheckpointStats, StallPhases
 from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.tokens import TokenMark
 from moc_lightning.runtime.background import background_executor
 from moc_lightning.runtime.faults import FaultInjector
 from moc_lightning.sharding.ownership import ShardingUnit, Topology, plan_ownership
@@ -41,16 +47,16 @@ class _PendingSnapshot:
     """What its persist writes whole; ``None``: it is not persisted."""
     persist_parts: tuple[str, ...]
     """The part keys its persist writes besides (:meth:`~moc_lightning.pec.write_plan.WritePlan.partial_parts`)."""
-    taking_seconds: float
-    """The training thread's time in :meth:`SnapshotTaker.take`."""
-    copy_seconds: float
-    """Of which the copy into the slot done there (the buffers; under CUDA, enqueuing the copy)."""
+    tokens: TokenMark | None
+    """The ledger's mark of its step, being summed over the ranks, that the join records; ``None``: recorded already."""
+    taken: StallPhases
+    """The training thread's time in :meth:`SnapshotTaker.take` and before it, by phase (the join's wait left out)."""
 
 
 class SnapshotTaker:
     """Takes snapshots into a :class:`SnapshotStore` and hands persist ones to a :class:`PersistQueue`.
 
-    Public: :meth:`reserve_slots`, :meth:`take`, :meth:`wait`.
+    Public: :meth:`reserve_slots`, :meth:`start_vote`, :meth:`take`, :meth:`wait`.
     """
 
     def __init__(
@@ -61,14 +67,19 @@ class SnapshotTaker:
         faults: FaultInjector,
         stats: CheckpointStats,
         behind: bool,
+        agreement_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """``behind``: copy weights and optimizer state on the copy thread, behind the next forward and backward."""
+        """``behind``: copy weights and optimizer state on the copy thread, behind the next forward and backward.
+        ``agreement_group``: the gloo group the snapshot's own collectives run on, non-blocking
+        (:func:`~moc_lightning.runtime.distributed.agreement_group`); ``None`` with one process."""
         self._pec = pec
         self._store = store
         self._persists = persists
         self._faults = faults
         self._stats = stats
         self._behind = behind
+        self._group = agreement_group
+        self._vote = PersistVote(persists, agreement_group)
         self._copier = background_executor("moc-snapshot")
         self._snapshot: _PendingSnapshot | None = None
         self._owner_cache: dict[tuple[str, ...], dict[str, int]] = {}
@@ -88,7 +99,14 @@ class SnapshotTaker:
                 f"({err.strerror}); point checkpoint.shm_root at a larger tmpfs or lower checkpoint.k_snapshot",
             ) from err
 
-    def take(self, step: int, trainer_state: Mapping[str, Any] | None, may_persist: bool) -> None:
+    def start_vote(self) -> None:
+        """Start agreeing, without blocking, whether the next snapshot may persist (:class:`PersistVote`; collective:
+        every rank at the same point, as late before the snapshot as it can be and still arrive)."""
+        self._vote.start()
+
+    def take(
+        self, step: int, trainer_state: Mapping[str, Any] | None, may_persist: bool, trainer_state_seconds: float = 0.0
+    ) -> None:
         """Take the snapshot of step ``step`` (see :meth:`TwoLevelCheckpointer.snapshot`)."""
         self.wait()
         taking = time.perf_counter()
@@ -100,14 +118,22 @@ class SnapshotTaker:
         self._persists.poll()
         pec = self._pec
         rank = pec.topology.rank
-        # every rank must agree to persist, or the persist's collectives would not match across ranks
-        (ranks_persisting,) = pec.tokens.mark_step(step, also_sum=[int(self._persists.running())])
         index = pec.snapshots_taken
         due = index % pec.cfg.persist_every_n_snapshots == 0 and may_persist
-        persist = due and ranks_persisting == 0
+        voting = time.perf_counter()
+        # every rank must agree to persist, or the persist's collectives would not match across ranks
+        vote = self._vote.result() if due or pec.selector.needs_stored_steps(False) else None
+        persist = due and vote is not None and not vote.persisting
         if due and not persist:
             self._stats.skipped_persists += 1
-        agreed = self._persists.agreed() if pec.selector.needs_stored_steps(persist) else None
+        # the ledger's mark of this step: the counts' sum arrives while the copy runs, the commit and the join read it
+        tokens: TokenMark | None = pec.tokens.start_mark(step, self._group)
+        if tokens is not None and pec.selector.ranks_by_tokens:  # it selects from the counts up to this step, now
+            pec.tokens.finish_mark(tokens)
+            tokens = None
+        stored_steps = vote is not None and pec.selector.needs_stored_steps(persist)
+        agreed = self._persists.agreed(vote.reaped_everywhere) if vote is not None and stored_steps else None
+        voted = time.perf_counter()
         selection = pec.selector.select(index, persist, agreed)
         pec.snapshots_taken += 1
         units = pec.layout.dense_units + tuple(sorted(selection.snapshot_units()))
@@ -121,7 +147,7 @@ class SnapshotTaker:
             mine = [u for u in units if owners[u.key] == rank]
             my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == rank)
         tensors = pec.layout.pieces(mine) | pec.plan.part_tensors(my_parts, local=True)
-        extra = {"engine": pec.state_dict(), "owners": owners, "lineage": pec.lineage.stamp() if pec.lineage else None}
+        extra = {"owners": owners, "lineage": pec.lineage.stamp() if pec.lineage else None}
         slot = self._store.choose_slot(self._persists.slots_in_use())
         persist_units = pec.layout.dense_units + tuple(sorted(selection.persist_units())) if persist else None
         persist_parts = pec.plan.partial_parts(persist_units) if persist_units is not None else ()
@@ -134,39 +160,63 @@ class SnapshotTaker:
         fill = self._store.fill(slot, tensors, midway, defer=later)
         filled = time.perf_counter()
         commit = self._copier.submit(
-            self._commit, slot, step, tuple(u.key for u in mine), my_parts, fill, extra, trainer_state
+            self._commit, slot, step, tuple(u.key for u in mine), my_parts, fill, extra, trainer_state, tokens, tensors
         )
-        self._snapshot = _PendingSnapshot(commit, persist_units, persist_parts, filled - taking, filled - start)
+        handed = time.perf_counter()
+        taken = StallPhases(
+            trainer_state=trainer_state_seconds,
+            agreement=voted - voting,
+            preparation=(voting - taking) + (start - voted) + (handed - filled),
+            copy=filled - start,
+            wait=0.0,
+            blocking_vote=bool(vote and vote.blocked),
+        )
+        self._snapshot = _PendingSnapshot(commit, persist_units, persist_parts, tokens, taken)
 
     def _commit(
         self, slot: int, step: int, units: tuple[str, ...], parts: tuple[str, ...], fill: Fill,
-        extra: dict[str, Any], trainer_state: Mapping[str, Any] | None,
+        extra: dict[str, Any], trainer_state: Mapping[str, Any] | None, tokens: TokenMark | None,
+        tensors: Mapping[str, torch.Tensor],
     ) -> tuple[SlotMeta, float, float]:
-        """Complete the slot's copy, then commit it; returns it, the copy's and the commit's own durations.
+        """Complete the slot's copy, then commit it; returns it, the copy's and the commit's own durations. Then lay
+        the other slots out for ``tensors``' shapes, which the next snapshots' copies will most likely have.
 
-        The trainer state is serialised here, off the training thread: it is a fresh dict of plain values.
+        The trainer state is serialised here, off the training thread: it is a fresh dict of plain values. So is the
+        engine state, with the ledger as the join will leave it once ``tokens``, summed over the ranks meanwhile, are
+        recorded: a slot is committed only with the counts every rank agreed on (the sum's error, a lost peer, fails
+        the commit).
         """
         start = time.perf_counter()
         fill.complete()
         copied = time.perf_counter()
+        extra["engine"] = self._pec.state_dict(tokens)
         extra["trainer"] = encode_state(trainer_state)
         self._faults.at("slot_commit", step)
         meta = self._store.finish(slot, step, units, fill, extra, parts)
-        return meta, copied - start, time.perf_counter() - copied
+        committed = time.perf_counter()
+        self._store.prepare(set(range(NUM_SLOTS)) - {slot}, tensors)  # the next snapshots' views, off the thread
+        return meta, copied - start, committed - copied
 
     def wait(self) -> None:
-        """Block until the running snapshot is copied and committed, account it, and start its persist if due."""
+        """Block until the running snapshot is copied and committed, record its step's router counts in the ledger,
+        account it, and start its persist if due."""
         pending = self._snapshot
         if pending is None:
             return
+        self._snapshot = None  # its error, if any, is raised once, here
         waited = time.perf_counter()
-        meta, background_copy_seconds, commit_seconds = pending.commit.result()
+        try:
+            meta, background_copy_seconds, commit_seconds = pending.commit.result()
+        finally:
+            if pending.tokens is not None:  # on the training thread, which alone changes the ledger
+                self._pec.tokens.finish_mark(pending.tokens)
         wait = time.perf_counter() - waited
-        self._snapshot = None
-        copy_seconds = pending.copy_seconds + background_copy_seconds
+        taken = pending.taken
+        copy_seconds = taken.copy + background_copy_seconds
         stats = self._stats
         stats.snapshots += 1
-        stats.stall_seconds.append(pending.taking_seconds + wait)
+        stats.stall_seconds.append(taken.agreement + taken.preparation + taken.copy + wait)
+        stats.stall_phases.append(dataclasses.replace(taken, wait=wait))
         stats.wait_seconds.append(wait)
         stats.copy_seconds.append(copy_seconds)
         stats.snapshot_seconds.append(copy_seconds + commit_seconds)

@@ -7,6 +7,28 @@ from dataclasses import dataclass, field
 from moc_lightning.pec.persist import SaveReport
 
 
+@dataclass(frozen=True)
+class StallPhases:
+    """Where one snapshot's time on the training thread went, in seconds: the parts of its stall that the engine and
+    its caller time (a caller's hook does more besides, such as reading the router counts)."""
+
+    trainer_state: float
+    """Capturing the trainer state the snapshot holds (the caller's, before the snapshot; 0 when it gives none)."""
+    agreement: float
+    """Agreeing with the other ranks: reading the persist vote (:mod:`~moc_lightning.memory.persist_vote`) and
+    starting the sum of the router counts; a blocking vote, or a selection that needs the counts at once, waits here."""
+    preparation: float
+    """Everything else before and after the copy: the previous persist's accounting, the selection, the units' owners
+    and tensors, the slot and its views, handing the rest to the copy thread."""
+    copy: float
+    """The copy into the slot done on the training thread (all of it for host tensors without a spare core; the
+    buffers only with one; enqueuing it for GPU tensors)."""
+    wait: float
+    """The join before the next optimizer step: waiting for the copy thread's copy and commit."""
+    blocking_vote: bool = False
+    """Whether the persist vote was taken at the snapshot, blocking (no vote started ahead was recent enough)."""
+
+
 @dataclass
 class CheckpointStats:
     """What the two levels did, for logs and benchmarks."""
@@ -24,6 +46,8 @@ class CheckpointStats:
     before the next optimizer step."""
     wait_seconds: list[float] = field(default_factory=list)
     """Per snapshot, the wait for its commit alone."""
+    stall_phases: list[StallPhases] = field(default_factory=list)
+    """Per snapshot, where its time on the training thread went."""
     snapshot_bytes: list[int] = field(default_factory=list)
     persist_reports: list[SaveReport] = field(default_factory=list)
     """The periodic persists (``persists`` counts them)."""

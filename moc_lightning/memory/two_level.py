@@ -16,8 +16,10 @@ Timeline of one snapshot step ``t`` (MoC-System Figures 3 and 9):
    is not copied and committed yet (with the batch-end work, the *stall*); nothing may write to the copied
    tensors before it (recovery, a persist and ``finish`` also wait for it), and an error of the copy or the
    commit is raised here, on the training thread. When the snapshot is a persist one, its persist
-   starts now, on another thread, writing from the slot through DCP on a dedicated process group. At most one persist is in flight;
-   when the previous one is still running, all ranks agree to skip this persist and count it.
+   starts now, on another thread, writing from the slot through DCP on a dedicated process group. At most one persist
+   is in flight; when the previous one is still running on any rank, all ranks agree to skip this persist and count
+   it, by a vote started the step before (:mod:`~moc_lightning.memory.persist_vote`). Neither it nor the sum of the
+   router counts (summed while the copy runs, recorded here) blocks the training thread at the snapshot.
 3. ``recover()`` at start-up: ranks exchange their slot inventories, plan the resume step and a source for
    every unit (:mod:`moc_lightning.memory.recovery`), and restore from the local slot, a peer's slot (broadcast
    over the process group) or storage.
@@ -55,6 +57,7 @@ from moc_lightning.memory.stats import CheckpointStats
 from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.pec.persist import SaveReport
 from moc_lightning.runtime.background import spare_core
+from moc_lightning.runtime.distributed import agreement_group
 from moc_lightning.runtime.faults import FaultInjector
 
 
@@ -64,8 +67,9 @@ class TwoLevelCheckpointer:
     The manager: its public methods guard (no snapshot or persist while a restore is pending, nothing in flight
     during a recovery) and hand the work to the parts: ``snapshots`` (:class:`SnapshotTaker`), ``persists``
     (:class:`PersistQueue`), :class:`Recovery` and :func:`persist_final`. Public: :meth:`reserve_slots`,
-    :meth:`snapshot`, :meth:`wait_snapshot`, :meth:`poll_persist`, :meth:`finish`, :meth:`persist_final`,
-    :meth:`recover`; ``pec``, ``store``, ``faults``, ``stats``, ``completeness``, ``lineage``, ``rank``.
+    :meth:`start_vote`, :meth:`snapshot`, :meth:`wait_snapshot`, :meth:`poll_persist`, :meth:`finish`,
+    :meth:`persist_final`, :meth:`recover`; ``pec``, ``store``, ``faults``, ``stats``, ``completeness``, ``lineage``,
+    ``rank``.
     """
 
     def __init__(
@@ -77,7 +81,10 @@ class TwoLevelCheckpointer:
     ) -> None:
         """``behind``: copy a snapshot's weights and optimizer state on the copy thread, behind the next forward and
         backward, rather than on the training thread; by default where the node's ranks leave a core free for it
-        (:func:`~moc_lightning.runtime.background.spare_core`: without one the copy thread costs more than it hides)."""
+        (:func:`~moc_lightning.runtime.background.spare_core`: without one the copy thread costs more than it hides).
+
+        Collective with a process group: it makes the gloo group the snapshots' own agreements run on
+        (:func:`~moc_lightning.runtime.distributed.agreement_group`), so every rank constructs its engine together."""
         self.pec = pec
         self.store = snapshots
         self.faults = faults or FaultInjector(None, pec.topology.rank)
@@ -87,7 +94,8 @@ class TwoLevelCheckpointer:
         (a recovery here, a replay-mode resume in the callback)."""
         self.persists = PersistQueue(pec, snapshots, self.faults, self.stats)
         self.snapshots = SnapshotTaker(
-            pec, snapshots, self.persists, self.faults, self.stats, spare_core() if behind is None else behind
+            pec, snapshots, self.persists, self.faults, self.stats, spare_core() if behind is None else behind,
+            agreement_group(),
         )
         self._recovery = Recovery(pec, snapshots, self.faults)
 
@@ -112,13 +120,23 @@ class TwoLevelCheckpointer:
         """
         self.snapshots.reserve_slots()
 
-    def snapshot(self, step: int, trainer_state: Mapping[str, Any] | None = None, may_persist: bool = True) -> None:
+    def start_vote(self) -> None:
+        """Start agreeing, without blocking, whether the next snapshot may persist (collective: every rank at the same
+        point; the callback does it at the batch end before a snapshot step). Without it the snapshot takes the vote
+        itself, blocking, once a persist has started (:mod:`~moc_lightning.memory.persist_vote`)."""
+        self.snapshots.start_vote()
+
+    def snapshot(
+        self, step: int, trainer_state: Mapping[str, Any] | None = None, may_persist: bool = True,
+        trainer_state_seconds: float = 0.0,
+    ) -> None:
         """Take the snapshot of step ``step``: copy the buffers now, enqueue the copy of GPU tensors, and leave
         the copy of the other host tensors and the commit to the copy thread; :meth:`wait_snapshot` joins it.
         ``may_persist=False``: never persist this one (the last step, which :meth:`persist_final` writes whole);
-        the same on every rank."""
+        the same on every rank. ``trainer_state_seconds``: how long capturing ``trainer_state`` took the caller on the
+        training thread (:attr:`CheckpointStats.stall_phases`)."""
         self.completeness.check(f"the snapshot of step {step}")
-        self.snapshots.take(step, trainer_state, may_persist)
+        self.snapshots.take(step, trainer_state, may_persist, trainer_state_seconds)
 
     def wait_snapshot(self) -> None:
         """Block until the running snapshot is copied and committed, and account it."""

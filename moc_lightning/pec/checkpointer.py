@@ -31,7 +31,7 @@ from moc_lightning.pec.persist import Persister, SaveReport, Stamp
 from moc_lightning.pec.selecting import ExpertSelector
 from moc_lightning.pec.sizing import snapshot_share_bytes
 from moc_lightning.pec.stored import UnreadableCheckpoint, read_manifest
-from moc_lightning.pec.tokens import TokenAccounting
+from moc_lightning.pec.tokens import TokenAccounting, TokenMark
 from moc_lightning.pec.write_plan import WritePlan
 from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
 from moc_lightning.storage import CheckpointStorage
@@ -186,12 +186,13 @@ class PECCheckpointer:
                 manifest = self.persister.forget(manifest, bad)
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        """Selection cursor, ledger, K and counters: small and JSON-able, saved with every checkpoint."""
+    def state_dict(self, pending: TokenMark | None = None) -> dict[str, Any]:
+        """Selection cursor, ledger, K and counters: small and JSON-able, saved with every checkpoint. ``pending``: the
+        ledger as it will be once that mark is finished (:meth:`TokenAccounting.state_dict`)."""
         return {
             "snapshots_taken": self.snapshots_taken,
             "selection": self.selector.policy.state_dict(),
-            **self.tokens.state_dict(),
+            **self.tokens.state_dict(pending),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

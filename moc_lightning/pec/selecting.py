@@ -26,8 +26,8 @@ from moc_lightning.pec.write_plan import model_units
 class ExpertSelector:
     """The experts each checkpoint snapshots and persists.
 
-    Public: :meth:`select`, :meth:`needs_stored_steps`, :meth:`base_on`; the ``policy`` (its cursor travels in the
-    engine state) and ``stored_base``.
+    Public: :meth:`select`, :meth:`needs_stored_steps`, :attr:`ranks_by_tokens`, :meth:`base_on`; the ``policy`` (its
+    cursor travels in the engine state) and ``stored_base``.
     """
 
     def __init__(
@@ -74,6 +74,12 @@ class ExpertSelector:
             index, dynamic_k.k_snapshot, dynamic_k.k_persist, persist=persist, unsaved=unsaved
         )
         return every_expert(self._num_experts) if persist and self._completes(persisted) else selection
+
+    @property
+    def ranks_by_tokens(self) -> bool:
+        """Whether :meth:`select` reads the ledger's counts (``load_aware``): they must be summed and recorded up to
+        the checkpoint's step before it selects."""
+        return self._cfg.selection == "load_aware"
 
     def needs_stored_steps(self, persist: bool) -> bool:
         """Whether :meth:`select` reads where units are stored: then it must be given the agreed persists

@@ -8,6 +8,7 @@ counts) and the one whose state (ledger, K) travels inside every checkpoint's en
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,14 +17,34 @@ import torch.distributed as dist
 from moc_lightning.config import CheckpointConfig
 from moc_lightning.engine.ledger import DynamicK, FaultReport, TokenLedger
 from moc_lightning.engine.routing import RouterCounts
+from moc_lightning.runtime.agreement import StartedReduction
 from moc_lightning.runtime.distributed import collective_device
+
+
+@dataclass(frozen=True)
+class TokenMark:
+    """The ledger's mark of a checkpoint step under way: the router counts recorded before it, being summed over the
+    ranks (:meth:`TokenAccounting.start_mark`)."""
+
+    step: int
+    """The checkpoint step the counts are marked at."""
+    reduction: StartedReduction
+    """Every MoE layer's counts of each expert, then each layer's tokens x top_k, flat, summed over the ranks."""
+    sizes: tuple[int, ...]
+    """How :attr:`reduction`'s values split: the layers' expert counts, then the number of layers."""
+
+    def counts(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Per MoE layer, the tokens each expert processed on all ranks, and the tokens x top_k assigned (waits for
+        the sum)."""
+        *processed, assigned = self.reduction.result().cpu().split(list(self.sizes))
+        return processed, [int(a) for a in assigned]
 
 
 class TokenAccounting:
     """Router counts -> :class:`TokenLedger` marks -> PLT of a recovery -> :class:`DynamicK`.
 
-    Public: :meth:`record`, :meth:`mark_step`, :meth:`prune`, :meth:`recover`, :meth:`state_dict`,
-    :meth:`load_state_dict`; the ``ledger`` and ``dynamic_k`` they keep.
+    Public: :meth:`record`, :meth:`start_mark`, :meth:`finish_mark`, :meth:`mark_step`, :meth:`prune`,
+    :meth:`recover`, :meth:`state_dict`, :meth:`load_state_dict`; the ``ledger`` and ``dynamic_k`` they keep.
     """
 
     def __init__(self, cfg: CheckpointConfig, num_experts: Sequence[int], rank: int) -> None:
@@ -42,34 +63,31 @@ class TokenAccounting:
             self._pending[i] += layer.tokens_per_expert.to("cpu", torch.int64)
             self._pending_assigned[i] += layer.tokens_assigned
 
-    def mark_step(self, step: int, also_sum: Sequence[int] = ()) -> list[int]:
-        """Reduce the router counts recorded since the last mark over all ranks (collective: every rank, on the
-        training thread) and mark ``step`` in the ledger, as the step a checkpoint is taken at.
+    def start_mark(self, step: int, group: dist.ProcessGroup | None = None) -> TokenMark:
+        """Start summing the router counts recorded since the last mark over all ranks, for the mark of checkpoint
+        ``step``, without blocking (collective: every rank, at the same point); :meth:`finish_mark` records it.
 
-        ``also_sum``: integers of the caller's to sum over the ranks in the same all-reduce (one collective where
-        a snapshot would need two; each waits for the slowest rank); returns their sums."""
-        sums = self._sync_tokens(also_sum)
-        self.ledger.mark(step)
-        return sums
-
-    def _sync_tokens(self, also_sum: Sequence[int]) -> list[int]:
-        flat = torch.cat([
-            *self._pending,
-            torch.tensor(self._pending_assigned, dtype=torch.int64),
-            torch.tensor(list(also_sum), dtype=torch.int64),
-        ])
-        if dist.is_initialized():
-            # default group, on the training thread (persists use their own gloo group)
+        ``group``: a gloo group (:func:`~moc_lightning.runtime.distributed.agreement_group`) whose result may be read
+        on another thread; ``None``: the default group (a CUDA tensor under NCCL)."""
+        flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
+        if group is None:
             flat = flat.to(collective_device())
-            dist.all_reduce(flat)
-            flat = flat.cpu()
-        sizes = [len(p) for p in self._pending] + [len(self._pending_assigned), len(also_sum)]
-        *counts, assigned, sums = flat.split(sizes)
-        for i, c in enumerate(counts):
-            self.ledger.record(i, c, int(assigned[i]))
+        sizes = (*(len(p) for p in self._pending), len(self._pending_assigned))
         self._pending = [torch.zeros_like(p) for p in self._pending]
         self._pending_assigned = [0] * len(self._pending_assigned)
-        return [int(v) for v in sums]
+        return TokenMark(step, StartedReduction(flat, group=group), sizes)
+
+    def finish_mark(self, mark: TokenMark) -> None:
+        """Record ``mark``'s summed counts in the ledger and mark its step (waits for the sum if it is not done)."""
+        counts, assigned = mark.counts()
+        for layer, (processed, tokens) in enumerate(zip(counts, assigned)):
+            self.ledger.record(layer, processed, tokens)
+        self.ledger.mark(mark.step)
+
+    def mark_step(self, step: int) -> None:
+        """Sum the router counts recorded since the last mark over all ranks and mark ``step`` in the ledger, as the
+        step a checkpoint is taken at (collective, blocking: :meth:`start_mark` then :meth:`finish_mark`)."""
+        self.finish_mark(self.start_mark(step))
 
     def prune(self, kept_steps: Sequence[int]) -> None:
         """Forget token marks older than every step in ``kept_steps`` (stored versions and snapshots)."""
@@ -83,9 +101,13 @@ class TokenAccounting:
         k_changed = self._cfg.dynamic_k.enabled and self.dynamic_k.after_recovery(fault, self.ledger.accumulated_plt)
         return fault, k_changed
 
-    def state_dict(self) -> dict[str, Any]:
-        """The ledger and K, JSON-able (part of the engine state saved with every checkpoint)."""
-        return {"ledger": self.ledger.state_dict(), "dynamic_k": self.dynamic_k.state_dict()}
+    def state_dict(self, pending: TokenMark | None = None) -> dict[str, Any]:
+        """The ledger and K, JSON-able (part of the engine state saved with every checkpoint). ``pending``: as it will
+        be once that mark is finished (:meth:`finish_mark`), without changing the ledger: a snapshot's commit reads it
+        on the copy thread while the training thread owns the ledger."""
+        ledger = self.ledger.state_dict() if pending is None else self.ledger.state_dict_after(*pending.counts(),
+                                                                                              pending.step)
+        return {"ledger": ledger, "dynamic_k": self.dynamic_k.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the ledger and K of an engine state; K follows :meth:`DynamicK.load_state_dict` (and says so)."""

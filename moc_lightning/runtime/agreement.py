@@ -5,6 +5,10 @@ later than the others) is a hang or a mixed state waiting to happen (DESIGN.md, 
 here make one rank's view everyone's (:func:`from_coordinator`) or check that every rank's view is the same
 (:func:`check_same`), and they raise the same error on every rank, so all ranks take the same path.
 
+A decision the training thread must not wait for is started as a :class:`StartedReduction` (a non-blocking
+all-reduce) and read later, where its result is needed: every rank issues it at the same point, and every rank reads
+the same reduced values, so the decision is still the same everywhere.
+
 Without a process group (one process) they are the identity.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -65,3 +70,31 @@ def check_same(value: Any, what: str, group: dist.ProcessGroup | None = None) ->
     if any(v != values[0] for v in values):
         shown = ", ".join(f"rank {r}: {v!r:.60}" for r, v in enumerate(values))
         raise AgreementError(f"ranks disagree on {what} ({shown})")
+
+
+class StartedReduction:
+    """An all-reduce of ``values`` in place, started without blocking (``async_op``) and read later.
+
+    Issue it where every rank issues its collectives on ``group`` in the same order (the training thread); read it
+    (:meth:`result`) wherever the answer is needed, on any thread. Every rank reads the same reduced values, or the
+    same collective's error (a lost peer): a decision taken from them is agreed as if the collective had blocked.
+    """
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        group: dist.ProcessGroup | None = None,
+        blocking: bool = False,
+    ) -> None:
+        """``blocking``: wait for it now, as a plain collective (a caller that needs the result at once)."""
+        self._values = values
+        self._work = None
+        if _world(group) > 1:
+            self._work = dist.all_reduce(values, op=op, group=group, async_op=not blocking)
+
+    def result(self) -> torch.Tensor:
+        """The reduced values, once every rank's are in (waits for the collective; raises its error)."""
+        if self._work is not None:
+            self._work.wait()
+        return self._values

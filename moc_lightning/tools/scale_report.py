@@ -28,9 +28,12 @@ synthetic inputs of the simulated size (the paper's setting, ZeRO-2 + EP in bf16
   :class:`~moc_lightning.memory.recovery.SlotInventory` list for three committed slots, pickled as
   ``all_gather_object`` pickles it (which pads every rank's to the largest: each rank receives world x largest), and
   :func:`~moc_lightning.memory.recovery.plan_recovery` over all of them.
-- ``snapshot_collectives`` / ``snapshot_collective_bytes``: what the training thread sends per snapshot, counted by
-  running :meth:`~moc_lightning.pec.tokens.TokenAccounting.mark_step` (the snapshot's one collective, which also
-  carries the persist agreement) against a recording stand-in of ``torch.distributed`` of the simulated size.
+- ``snapshot_collectives`` / ``snapshot_collective_bytes`` / ``snapshot_blocking_collectives``: what the training
+  thread sends per snapshot once persists run, and how much of it it waits for, counted by running the snapshot's own
+  collectives (:func:`snapshot_path_collectives`: the persist vote started the step before,
+  :class:`~moc_lightning.memory.persist_vote.PersistVote`, and the start of the router counts' sum,
+  :meth:`~moc_lightning.pec.tokens.TokenAccounting.start_mark`) against a recording stand-in of ``torch.distributed``
+  of the simulated size.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 from unittest import mock
 
 import torch
@@ -61,13 +64,17 @@ from moc_lightning.engine.manifest import CheckpointRecord, Manifest
 from moc_lightning.engine.selection import SequentialSelection
 from moc_lightning.engine.slots import param_key, state_key
 from moc_lightning.engine.units import DenseUnit, ExpertUnit, Unit
+from moc_lightning.memory.persist_vote import PersistVote
+from moc_lightning.memory.persisting import PersistQueue
 from moc_lightning.memory.recovery import SlotInventory, plan_recovery
 from moc_lightning.memory.snapshot import NUM_SLOTS
+from moc_lightning.memory.stats import CheckpointStats
 from moc_lightning.pec.commit import ManifestCommit
 from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.pec.tokens import TokenAccounting
 from moc_lightning.pec.write_plan import zero_weights_ownership
 from moc_lightning.replay.core import window_schedule
+from moc_lightning.runtime.distributed import agreement_group
 from moc_lightning.sharding.ownership import (
     Ownership,
     ShardingUnit,
@@ -490,13 +497,22 @@ def recovery(
     }
 
 
-@contextmanager
-def recorded_collectives(world_size: int) -> Iterator[list[tuple[str, int]]]:
-    """``torch.distributed`` as a rank of ``world_size`` sees it, recording each collective and its bytes per rank."""
-    sent: list[tuple[str, int]] = []
+class _Sent:
+    """A recorded non-blocking collective, done at once."""
 
-    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        sent.append(("all_reduce", tensor.numel() * tensor.element_size()))
+    def wait(self) -> bool:
+        return True
+
+
+@contextmanager
+def recorded_collectives(world_size: int) -> Iterator[list[tuple[str, int, bool]]]:
+    """``torch.distributed`` as a rank of ``world_size`` sees it, recording each collective, its bytes per rank and
+    whether the caller waits for it (no ``async_op``)."""
+    sent: list[tuple[str, int, bool]] = []
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> _Sent | None:
+        sent.append(("all_reduce", tensor.numel() * tensor.element_size(), not async_op))
+        return _Sent() if async_op else None
 
     with (
         mock.patch.object(dist, "is_initialized", return_value=True),
@@ -507,12 +523,32 @@ def recorded_collectives(world_size: int) -> Iterator[list[tuple[str, int]]]:
         yield sent
 
 
+def snapshot_path_collectives(num_experts: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
+    """A steady-state snapshot's collectives, issued and read as the engine does: the persist vote, started at the
+    batch end before the snapshot once a persist has started and read at the snapshot, then the start of the sum of the
+    router counts, read on the copy thread and at the join (here, at once). ``group``: the engine's agreement group."""
+    persists = PersistQueue(cast(Any, None), cast(Any, None), cast(Any, None), CheckpointStats())
+    persists.started = 1  # a persist has run: from now on every snapshot votes
+    vote = PersistVote(persists, group)
+    vote.start()
+    vote.result()
+    tokens = TokenAccounting(CheckpointConfig(), num_experts, rank=0)
+    tokens.finish_mark(tokens.start_mark(1, group))
+
+
 def snapshot_collectives(spec: ModelSpec, world_size: int) -> dict[str, Any]:
-    """The snapshot's training-thread collective: the token counts and the persist vote, in one all-reduce."""
-    tokens = TokenAccounting(CheckpointConfig(), spec.num_experts, rank=0)
+    """The snapshot's training-thread collectives (:func:`snapshot_path_collectives`) on ``world_size`` ranks."""
     with recorded_collectives(world_size) as sent:
-        tokens.mark_step(1, also_sum=[0])
-    return {"snapshot_collectives": len(sent), "snapshot_collective_bytes": sum(nbytes for _, nbytes in sent)}
+        snapshot_path_collectives(spec.num_experts)
+    return _snapshot_fields(sent)
+
+
+def _snapshot_fields(sent: Sequence[tuple[str, int, bool]]) -> dict[str, Any]:
+    return {
+        "snapshot_collectives": len(sent),
+        "snapshot_collective_bytes": sum(nbytes for _, nbytes, _ in sent),
+        "snapshot_blocking_collectives": sum(blocking for _, _, blocking in sent),
+    }
 
 
 def simulate(spec: ModelSpec, world_size: int, k: int, item_cap: int = ITEM_CAP) -> dict[str, Any]:
@@ -627,7 +663,8 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
             f"| {_fmt(r['coordinator_plan_s'])} | {_fmt(r['metadata_bytes'], 'B')} | {_fmt(r['dcp_coordinator_plan_s'])} "
             f"| {_fmt(r['dcp_metadata_bytes'], 'B')} | {_fmt(r['manifest_bytes'], 'B')} | {_fmt(r['commit_s'])} "
             f"| {_fmt(r['inventory_bytes_per_rank'], 'B')} | {_fmt(r['recovery_exchange_bytes'], 'B')} "
-            f"| {_fmt(r['recovery_plan_s'])} | {r['snapshot_collectives']} x {r['snapshot_collective_bytes']} B |"
+            f"| {_fmt(r['recovery_plan_s'])} | {r['snapshot_collectives']}, {r['snapshot_collective_bytes']} B, "
+            f"{r['snapshot_blocking_collectives']} blocking |"
         )
     notes = [
         f"- {r['model']} {r['world_size']:,} K={r['k']}: {field} null: {r[field + '_reason']}"
@@ -737,15 +774,17 @@ def _calibration_rank(k: int, root: str) -> dict[str, Any]:
         manifest,
     )
     recovery_plan_s = time.perf_counter() - start
-    sent: list[int] = []
+    sent: list[tuple[str, int, bool]] = []
     real_all_reduce = dist.all_reduce
+    group = agreement_group()
 
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        sent.append(tensor.numel() * tensor.element_size())
+    def counted(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        sent.append(("all_reduce", tensor.numel() * tensor.element_size(), not async_op))
+        kwargs["async_op"] = async_op
         return real_all_reduce(tensor, *args, **kwargs)
 
     with mock.patch.object(dist, "all_reduce", side_effect=counted):
-        TokenAccounting(CheckpointConfig(), CALIBRATION.num_experts, rank).mark_step(1, also_sum=[0])
+        snapshot_path_collectives(CALIBRATION.num_experts, group)
     metadata = Path(storage.root, f"w{world}k{k}", ".metadata")
     dist.barrier()
     dist.destroy_process_group()
@@ -757,8 +796,7 @@ def _calibration_rank(k: int, root: str) -> dict[str, Any]:
         "recovery_exchange_bytes": max(sizes) * world,
         "recovery_exchange_s": exchange_s,
         "recovery_plan_s": recovery_plan_s,
-        "snapshot_collectives": len(sent),
-        "snapshot_collective_bytes": sum(sent),
+        **_snapshot_fields(sent),
     }
 
 
@@ -771,6 +809,7 @@ CALIBRATED = (
     "recovery_plan_s",
     "snapshot_collectives",
     "snapshot_collective_bytes",
+    "snapshot_blocking_collectives",
 )
 
 

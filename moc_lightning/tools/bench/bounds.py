@@ -1,5 +1,8 @@
-"""The speed of light of a persist: the write-and-fsync bandwidth of the storage directory, the faster of cached and
-direct (``O_DIRECT``) writes."""
+"""The speed of light: of a snapshot, the copy of its bytes into a reused buffer; of a persist, the write-and-fsync
+bandwidth of the storage directory, the faster of cached and direct (``O_DIRECT``) writes. Each is measured in trials
+spread over the run, interleaved with the methods (:class:`Bounds`), and the best trial is the bound: on a shared
+machine a trial can only come out slower than the hardware allows, so a single trial at the start is a bound that
+a method's own figure, measured at a quieter moment, may exceed."""
 
 from __future__ import annotations
 
@@ -7,8 +10,12 @@ import errno
 import mmap
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from moc_lightning.memory.copy_speed import copy_gbps
 from moc_lightning.storage.objects import DIRECT_ALIGN
 from moc_lightning.tools.bench.config import GB
 from moc_lightning.tools.bench.fitting import this_rank
@@ -48,3 +55,28 @@ def _timed_write(path: Path, nbytes: int, block: memoryview, flags: int) -> tupl
     finally:
         os.close(fd)
         path.unlink()
+
+
+@dataclass
+class Bounds:
+    """The speed of light of the whole state's copy and write, over every trial of the run; the best is the bound."""
+
+    copy_trials: list[float] = field(default_factory=list)
+    """GB/s of each copy of this rank's state into a reused buffer (:func:`copy_gbps`)."""
+    write_trials: list[float] = field(default_factory=list)
+    """GB/s of each write+fsync of a state-sized file (:func:`write_fsync_gbps`)."""
+
+    def trial(self, tensors: list[torch.Tensor], directory: Path) -> None:
+        """One more trial of each bound, on ``tensors`` (this rank's state) and a file of their size in
+        ``directory``."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.copy_trials.append(round(copy_gbps(tensors), 3))
+        self.write_trials.append(round(write_fsync_gbps(directory, nbytes), 3))
+
+    @property
+    def copy_gbps(self) -> float:
+        return max(self.copy_trials)
+
+    @property
+    def write_fsync_gbps(self) -> float:
+        return max(self.write_trials)

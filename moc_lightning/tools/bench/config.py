@@ -25,6 +25,17 @@ PAPER_K = (4, 1)
 GB = 1e9
 
 
+STALL_LIGHT_FACTOR = 1.5
+STALL_SLACK_MS = 0.5
+"""Issue 30 item 3: a MoC snapshot's mean stall is at most this factor times its copy at the speed of light, plus
+this slack, in ms."""
+
+
+STALL_PHASES = ("trainer_state", "agreement", "preparation", "copy", "wait", "hook")
+"""Where a MoC snapshot's stall goes, on the training thread (:class:`~moc_lightning.memory.stats.StallPhases`, and
+``hook``: the rest of the callback's two hooks, its batch end and the join before the next optimizer step)."""
+
+
 BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
 
 

@@ -92,13 +92,18 @@ def agreed(value: Any) -> Any:
     return box[0]
 
 
+def gather(values: list[Any]) -> list[list[Any]]:
+    """Every rank's ``values``, in rank order (``[values]`` in one process)."""
+    if not dist.is_initialized():
+        return [values]
+    every: list[list[Any]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, values)
+    return every
+
+
 def slowest(values: list[float]) -> list[float]:
     """Per position, the largest of every rank's ``values``: synchronous training waits for the slowest rank."""
-    if not dist.is_initialized():
-        return values
-    every: list[list[float]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, values)
-    return [max(column) for column in zip(*every)]
+    return [max(column) for column in zip(*gather(values))]
 
 
 def release_memory() -> None:

@@ -134,6 +134,11 @@ class Method(abc.ABC):
         """Bytes of each timed copy into memory: full-state methods copy all of the state."""
         return [model_state_bytes(trainer)] * len(self.probe.snapshot)
 
+    def snapshot_bytes_mean(self) -> float | None:
+        """Mean bytes of one snapshot's copy on this rank, from the latest run's engine; ``None`` where the method
+        keeps no count of its own (:meth:`snapshot_bytes` then reads the trainer)."""
+        return None
+
     def snapshot_seconds(self) -> list[float]:
         """Duration of each timed copy into memory."""
         return [s for _, s in self.probe.snapshot]
@@ -141,6 +146,20 @@ class Method(abc.ABC):
     def persist_seconds(self) -> list[float]:
         """Duration of each write to storage."""
         return [s for _, s in self.probe.persist]
+
+    def stall_phases(self) -> list[tuple[float, ...]] | None:
+        """Per snapshot, its stall by phase (:data:`~moc_lightning.tools.bench.config.STALL_PHASES`), summing to its
+        :meth:`stalls` entry; ``None``: not broken down (the method's hook is one piece of work)."""
+        return None
+
+    def copied_tensors(self) -> list[torch.Tensor] | None:
+        """The tensors one snapshot copies, for the speed of light of exactly its bytes; ``None``: the whole state
+        (or no snapshot at all)."""
+        return None
+
+    def blocking_votes(self) -> int | None:
+        """Snapshots whose persist vote the training thread waited for (MoC); ``None``: no such vote."""
+        return None
 
     def recover(self, cfg: BenchConfig, row: Row, base: Baseline) -> None:
         """Resume a fresh run from the newest checkpoint and fill ``row``'s recovery figures."""
@@ -287,6 +306,8 @@ class MoCMethod(Method):
         """The measured run's callback, until :meth:`release`."""
         self.resumed: MoCCheckpoint | None = None
         """The recovery run's callback."""
+        self._copied: list[torch.Tensor] = []
+        """The live tensors the measured run's latest snapshot copied, until :meth:`release`."""
         self.notes = f"k_snapshot={self.config.k_snapshot}, k_persist={self.config.k_persist}"
 
     def _measured(self) -> MoCCheckpoint:
@@ -312,17 +333,56 @@ class MoCMethod(Method):
         return [self._measured()]
 
     def attach(self, trainer: L.Trainer) -> None:
-        """Time the batch-end hook (it selects and, for host tensors, copies)."""
-        timed(self._measured(), "on_train_batch_end", self.probe.blocking, _step_of(trainer))
+        """Time the batch-end hook (it selects and, for host tensors, copies) and the join before each optimizer step,
+        and keep the tensors of the latest snapshot's copy once the engine exists."""
+        checkpoint, step = self._measured(), _step_of(trainer)
+        timed(checkpoint, "on_train_batch_end", self.probe.blocking, step)
+        timed(checkpoint, "on_before_optimizer_step", self.probe.joins, step)
+        on_train_start = checkpoint.on_train_start
+
+        def keep_copied(*args: Any, **kwargs: Any) -> None:
+            store = self._engine().store
+            fill = store.fill
+
+            def recording_fill(slot: int, tensors: Any, *more: Any, **options: Any) -> Any:
+                self._copied = list(tensors.values())
+                return fill(slot, tensors, *more, **options)
+
+            setattr(store, "fill", recording_fill)  # on this instance only, as timed() wraps a method
+            on_train_start(*args, **kwargs)
+
+        setattr(checkpoint, "on_train_start", keep_copied)
 
     def resume(self) -> tuple[list[L.Callback], Callable[[L.Trainer], None], str | None]:
         self.resumed = MoCCheckpoint(copy.deepcopy(self.config))
         return [self.resumed], no_setup, self.resumed.resume_target()
 
     def stalls(self) -> list[float]:
-        """The batch-end hook (selection and copy), plus waiting for the commit before the next optimizer step."""
-        waits = self._engine().stats.wait_seconds
-        return [start + wait for start, wait in zip(super().stalls(), waits)]
+        """The batch-end hook (trainer state, agreement, selection and copy), plus the hook before the next optimizer
+        step (the join, waiting for the commit, and the snapshot's metrics); the last snapshot, after which no step
+        runs, is joined when fit ends: its wait."""
+        return [sum(phases) for phases in self._phases()]
+
+    def stall_phases(self) -> list[tuple[float, ...]] | None:
+        return self._phases()
+
+    def _phases(self) -> list[tuple[float, ...]]:
+        """Per snapshot, the engine's phases of its stall (:class:`~moc_lightning.memory.stats.StallPhases`) and the
+        rest of the two hooks (``hook``), in the order of :data:`~moc_lightning.tools.bench.config.STALL_PHASES`."""
+        joins = dict(self.probe.joins)
+        hooks = [(step, s) for step, s in self.probe.blocking if step > 0 and step % self.every == 0]
+        rows: list[tuple[float, ...]] = []
+        for (step, hook), phases in zip(hooks, self._engine().stats.stall_phases, strict=True):
+            stall = hook + joins.get(step, phases.wait)
+            timed_parts = (phases.trainer_state, phases.agreement, phases.preparation, phases.copy, phases.wait)
+            rows.append((*timed_parts, stall - sum(timed_parts)))
+        return rows
+
+    def copied_tensors(self) -> list[torch.Tensor] | None:
+        return self._copied
+
+    def blocking_votes(self) -> int | None:
+        return sum(phases.blocking_vote for phases in self._engine().stats.stall_phases)
 
     def checkpoints(self) -> list[Path]:
         return sorted((self.root / "ckpt").glob("step_*"))
@@ -334,6 +394,10 @@ class MoCMethod(Method):
 
     def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
         return self._engine().stats.snapshot_bytes
+
+    def snapshot_bytes_mean(self) -> float | None:
+        copied = self._engine().stats.snapshot_bytes
+        return sum(copied) / len(copied) if copied else None
 
     def snapshot_seconds(self) -> list[float]:
         """Each copy into a slot, like the other methods' copies into memory (the commit of the slot's metadata
@@ -347,6 +411,7 @@ class MoCMethod(Method):
     def release(self) -> None:
         """The engine's layout views the trained model's weights and optimizer state."""
         self.checkpoint = None
+        self._copied = []
 
 
 class ReplayMethod(MoCMethod):
@@ -422,6 +487,14 @@ class ReplayMethod(MoCMethod):
     def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
         return self._capture().copied_bytes
 
+    def stall_phases(self) -> None:
+        """A capture's hook is not broken down (its phases are a PEC snapshot's)."""
+        return None
+
+    def copied_tensors(self) -> None:
+        """A capture copies other tensors at every iteration; its restores are measured against the state's copy."""
+        return None
+
     def snapshot_seconds(self) -> list[float]:
         return self._capture().copy_seconds
 
@@ -438,7 +511,7 @@ class ReplayMethod(MoCMethod):
         state as the bound's."""
         row.recover_seconds = recover_seconds(cfg, self)
         (row.restore_memory_seconds, row.restore_memory_bytes, row.restore_memory_light_ratio,
-         row.replay_seconds) = restore_figures(memory := self._replayed("memory"), base.copy_gbps)  # fmt: skip
+         row.replay_seconds) = restore_figures(memory := self._replayed("memory"), base.bounds.copy_gbps)  # fmt: skip
         windows = self._resumed().windows
         if windows is None:
             raise RuntimeError(f"{self.name}: the recovery run has no window store (checkpoint.mode=replay makes one)")

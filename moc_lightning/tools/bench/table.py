@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moc_lightning.tools.bench.config import GB, RESTORE_BOUND
+from moc_lightning.tools.bench.config import GB, RESTORE_BOUND, STALL_LIGHT_FACTOR, STALL_PHASES, STALL_SLACK_MS
 
 TABLE = (
     ("method", "name"),
@@ -48,7 +48,48 @@ def markdown_table(result: dict[str, Any]) -> str:
         else:
             lines.append("| " + " | ".join(_cell(row[key]) for _, key in TABLE) + " |")
     measured = {row["name"]: row for row in result["methods"] if not row["skipped"]}
-    return "\n".join([*lines, *_peer_lines(result, measured), *_replay_lines(result, measured)])
+    return "\n".join([
+        *lines, *_light_lines(result, measured), *_stall_lines(measured), *_peer_lines(result, measured),
+        *_replay_lines(result, measured),
+    ])
+
+
+def _light_lines(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The trials the speed of light is the best of, and any figure above its bound (then the bound is not one)."""
+    trials = result.get("speed_of_light_trials")
+    if trials is None:  # a result written before the bounds had trials
+        return []
+    lines = ["", f"speed of light, best of {len(trials['copy_gbps'])} trials interleaved with the methods: copy "
+             f"{trials['copy_gbps']} GB/s, write+fsync {trials['write_fsync_gbps']} GB/s; each snapshot against the "
+             "copy of the same tensors as its own (MoC: the best of 5 copies of its latest snapshot's tensors after "
+             "its run), else of the whole state"]
+    for name, row in rows.items():
+        for phase in ("snapshot", "persist"):
+            pct = row[f"{phase}_pct_of_light"]
+            if pct is not None and pct > 100 and not (phase == "persist" and name == "nvrx_local"):
+                lines.append(f"{name}'s {phase} throughput is {pct}% of its speed of light: not a bound in this run")
+    return lines
+
+
+def _stall_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each MoC method's stall goes, beside the copy of its bytes at the speed of light, and issue 30's bound on
+    it: a mean stall of at most 1.5x that copy plus 0.5 ms."""
+    lines = []
+    for name, row in rows.items():
+        parts = row.get("stall_breakdown_ms")
+        light = row.get("snapshot_light_ms")
+        if not parts or light is None:
+            continue
+        stall = row["stall_ms_mean"]
+        bound = STALL_LIGHT_FACTOR * light + STALL_SLACK_MS
+        shown = ", ".join(f"{phase.replace('_', ' ')} {parts[phase]:.3f}" for phase in STALL_PHASES)
+        lines.append(
+            f"{name} stall {stall:.3f} ms = {shown} (ms, per snapshot, the slowest rank's); its copy at the speed of "
+            f"light {light:.3f} ms ({row['snapshot_light_gbps']} GB/s); stall {stall / light:.2f}x that, "
+            f"{stall - parts['copy']:.3f} ms besides the copy; bound {STALL_LIGHT_FACTOR:g}x + {STALL_SLACK_MS:g} ms = "
+            f"{bound:.3f} ms: {'met' if stall <= bound else 'not met'}; {row['blocking_votes']} blocking vote(s)"
+        )
+    return ["", *lines] if lines else []
 
 
 def _peer_lines(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> list[str]:

@@ -7,10 +7,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # the bounds measure through fitting, which imports this module
+    from moc_lightning.tools.bench.bounds import Bounds
 
 
 def timed(
@@ -72,10 +75,10 @@ class AlignRanks(L.Callback):
     """A barrier at the end of every training iteration, before any checkpoint callback runs (several processes only).
 
     Ranks drift apart within an iteration (one is preempted, or its share took longer); synchronous training waits
-    the lag out at its next collective. Without the barrier, the first collective of a checkpoint (MoC's all-reduce per
-    snapshot, DCP's planning) is where it is waited out, and the stall timed around the checkpoint callback would
-    charge training's own lag to the checkpoint: on the loaded 2-core machine 0-90 ms under ``fsdp2``, more than
-    MoC's own work. Every run, the baseline included, gets the same barrier, so iteration times stay comparable.
+    the lag out at its next collective. Without the barrier, the first blocking collective of a checkpoint (DCP's
+    planning; MoC's vote where it is taken at the snapshot) is where it is waited out, and the stall timed around the
+    checkpoint callback would charge training's own lag to the checkpoint: on the loaded 2-core machine 0-90 ms under
+    ``fsdp2``, more than MoC's own work. Every run, the baseline included, gets the same barrier, so iteration times stay comparable.
     """
 
     def on_train_batch_end(
@@ -91,6 +94,8 @@ class Probe:
 
     blocking: list[tuple[int, float]] = field(default_factory=list)
     """The checkpoint callback's hook on the training thread."""
+    joins: list[tuple[int, float]] = field(default_factory=list)
+    """The checkpoint callback's hook before each optimizer step (MoC: the join of the copy thread's work)."""
     snapshot: list[tuple[int, float]] = field(default_factory=list)
     """Copies of the state into memory, where the method makes one."""
     persist: list[tuple[int, float]] = field(default_factory=list)
@@ -123,6 +128,11 @@ class Row:
     persist_gbps: float | None = None
     snapshot_pct_of_light: float | None = None
     persist_pct_of_light: float | None = None
+    snapshot_light_gbps: float | None = None
+    snapshot_light_ms: float | None = None
+    snapshot_bytes_mean: float | None = None
+    stall_breakdown_ms: dict[str, float] | None = None
+    blocking_votes: int | None = None
     recover_seconds: float | None = None
     replay_seconds: float | None = None
     restore_memory_seconds: float | None = None
@@ -147,7 +157,6 @@ class Baseline:
     """Mean CPU time of the process per iteration without checkpointing."""
     state_bytes: int
     """Weights and optimizer state."""
-    copy_gbps: float
-    """Speed of light of a snapshot: copy into a reused, preallocated buffer."""
-    write_fsync_gbps: float
-    """Speed of light of a persist: sequential write + fsync to the checkpoint directory's storage."""
+    bounds: Bounds
+    """Speed of light of a snapshot (copy into a reused, preallocated buffer) and of a persist (sequential write +
+    fsync to the checkpoint directory's storage): trials at the start and after each method's run, the best kept."""
