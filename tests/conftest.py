@@ -16,7 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import xdist  # noqa: E402
 from quick_bench import BenchRun, run_quick_bench  # noqa: E402
-from s3_server import S3Server, running_s3_server  # noqa: E402
+
+from moc_lightning.tools.chaos.s3_server import S3Server, running_s3_server  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 

@@ -23,7 +23,6 @@ import boto3
 import pytest
 import torch
 from lightning_run import DrainPersists, Recorder, check_sources, fit, fit_or_crash, moc_config
-from s3_server import CREDENTIALS, S3Server
 
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.engine.manifest import Manifest
@@ -32,6 +31,7 @@ from moc_lightning.models import GPTMoEConfig
 from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.storage import location, make_storage
 from moc_lightning.storage.location import s3_spec
+from moc_lightning.tools.chaos.s3_server import CREDENTIALS, S3Server
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
