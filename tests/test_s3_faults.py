@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import boto3
 import pytest
@@ -43,14 +42,6 @@ ONE_RETRY = S3RetryConfig(max_retries=1, initial_delay_s=0.05, max_delay_s=0.05)
 """For faults that outlast any bound: the fewer tries, the fewer requests a failing persist makes (each of its
 arrays is tried, concurrently, this many times more)."""
 SECRETS = (CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
-
-
-@pytest.fixture
-def proxy(s3_server: S3Server) -> Iterator[S3FaultProxy]:
-    """The fault proxy in front of this process's server, with no rule yet."""
-    proxy = S3FaultProxy(s3_server.endpoint).start()
-    yield proxy
-    proxy.stop()
 
 
 def _storage(url: str, proxy: S3FaultProxy, retries: S3RetryConfig = RETRIES) -> CheckpointStorage:

@@ -44,9 +44,6 @@ class PersistQueue:
         self.in_flight: Future[SaveReport] | None = None
         self._persisting_slot: int | None = None
         self._recovery_slot: int | None = None
-        self._retries_reported = 0
-        """:meth:`CheckpointStats.storage_retries` when the last persist was reaped: a persist that needed more says
-        so in its log line."""
         self._outcomes: list[SaveReport | None] = []
         """Every periodic persist's outcome in order (``None``: failed), as this rank reaped them; every rank
         sees the same outcomes (a persist is all-or-nothing), though not at the same moment."""
@@ -87,11 +84,9 @@ class PersistQueue:
                 cause = find_cause(error, OSError) or error
                 print(f"[moc_lightning] rank {rank}: persist raised {type(cause).__name__}: {cause} outside its "
                       "agreed phases (a peer lost?); training goes on")
-        retried = self._stats.storage_retries()
-        if retried > self._retries_reported:
-            print(f"[moc_lightning] rank {rank}: {retried - self._retries_reported} S3 requests retried since the "
-                  f"persist before ({retried} in this fit; bounded by checkpoint.storage.retries)")
-            self._retries_reported = retried
+        note = self._stats.retries_note(rank, "the persists and restores since the last note")
+        if note is not None:
+            print(note)
         self.in_flight = None
         self._persisting_slot = None
 

@@ -34,6 +34,19 @@ class CheckpointStats:
     """TensorStore's count of retried S3 requests in this process when these stats began (the count is
     process-wide: :meth:`storage_retries` is the difference)."""
 
+    retries_noted: int = 0
+    """:meth:`storage_retries` when :meth:`retries_note` last said something."""
+
+    def retries_note(self, rank: int, what: str) -> str | None:
+        """The log line of the S3 requests retried since the last note, by ``what`` (a persist) on ``rank``; ``None``
+        when there were none."""
+        retried = self.storage_retries()
+        if retried <= self.retries_noted:
+            return None
+        new, self.retries_noted = retried - self.retries_noted, retried
+        return (f"[moc_lightning] rank {rank}: {new} S3 requests retried by {what} ({retried} in this fit; "
+                "bounded by checkpoint.storage.retries)")
+
     def storage_retries(self) -> int:
         """S3 requests retried (after a 5xx, 429 or ``SlowDown`` answer, or a failed connection) since these stats
         began, in this process: persists, restores and replay windows alike (``checkpoint.storage.retries``)."""
