@@ -317,6 +317,9 @@ def test_completion_and_hang_checks() -> None:
     assert "rank 1" in check_completes(recs, ok, 24, 2)[0]
     resumed_at_the_end = {0: [{"inc": 1, "kind": "restored", "step": 24}]}
     assert check_completes(resumed_at_the_end, ok, 24, 1) == [], "a resume at max_steps has nothing left to train"
+    started_at_the_end = {0: [{"inc": 1, "kind": "start", "step": 24}]}
+    assert check_completes(started_at_the_end, ok, 24, 1) == [], "so in PEC mode, its start recorded at fit's end"
+    assert check_completes({0: [{"inc": 1, "kind": "start", "step": 12}]}, ok, 24, 1), "a start alone is no finish"
     looped = [{"inc": i, "rc": 1, "hang": None, "tail": "boom"} for i in range(5)]
     assert "no clean finish in 5" in check_completes(recs, looped, 24, 2)[0]
     assert check_no_hang(ok) == []
