@@ -146,7 +146,7 @@ def test_faults_beyond_the_bound_end_in_one_error_commit_nothing_and_load_nothin
     assert rule.dealt >= ONE_RETRY.max_retries + 1, f"the fault fired {rule.dealt} times"
     message = str(failed.value)
     assert "failed after every retry (checkpoint.storage.retries.max_retries)" in message, message
-    assert f"s3://{bucket}/run/step_000000002/" in message and "SlowDown" in message, message
+    assert f"checkpoint s3://{bucket}/run/step_000000002/: " in message and "SlowDown" in message, message
     assert waited < 20, f"bounded, yet it took {waited:.1f} s"
     assert _committed(storage) == [1], "the failed persist is not committed"
 

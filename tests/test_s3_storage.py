@@ -129,7 +129,7 @@ def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
     assert newest.name in fallback, "the fallback is reported"
     retried = re.search(r"S3 requests retried: (\d+) on this rank \(checkpoint\.storage\.retries: max_retr", fallback)
     assert slow_down.dealt == 4 and retried is not None and int(retried[1]) >= 4, fallback[-2000:]
-    assert "S3 requests retried by the final persist of step 8" in fallback, "a persist that needed retries says so"
+    assert "S3 requests retried by the final persist of step 8 " in fallback, "a persist that needed retries says so"
     check_sources(first, again, moc.recovery.sources)
     assert not [s for s in SECRETS if s.encode() in stored or s in printed + fallback], "a key was stored or printed"
 

@@ -35,10 +35,10 @@ class CheckpointStats:
     process-wide: :meth:`storage_retries` is the difference)."""
 
     retries_noted: int = 0
-    """:meth:`storage_retries` when :meth:`retries_note` last said something."""
+    """:meth:`storage_retries` when :meth:`retries_note` last counted some."""
 
     def retries_note(self, rank: int, what: str) -> str | None:
-        """The log line of the S3 requests retried since the last note, by ``what`` (a persist) on ``rank``; ``None``
+        """The log line of the S3 requests retried on ``rank`` since the last count, by ``what`` (a persist); ``None``
         when there were none."""
         retried = self.storage_retries()
         if retried <= self.retries_noted:

@@ -242,7 +242,7 @@ def open_kvstore(url: str, context: ts.Context, endpoint: str = "") -> ts.KvStor
             f"(a path, or a URL such as file:///abs/path, gs://bucket/path, s3://bucket/path): {err}"
         ) from err
     if isinstance(spec, dict) and spec["driver"] == "s3" and (spec.get("endpoint"), spec["bucket"]) not in _ADMITTED:
-        with s3_errors_named(url, endpoint, "the first request"):
+        with s3_errors_named(f"{URL_OPTION}={url!r}", endpoint, "the first request"):
             kvstore.read(PROBE_KEY).result()
         _ADMITTED.add((spec.get("endpoint"), spec["bucket"]))
     return kvstore
@@ -305,9 +305,10 @@ def s3_request_retries() -> int:
 
 
 @contextlib.contextmanager
-def s3_errors_named(url: str, endpoint: str, what: str) -> Iterator[None]:
-    """Re-raise TensorStore's error of a request to the store at ``url`` that the operator must act on as one
-    error naming the options, and ``what`` (the object or operation):
+def s3_errors_named(where: str, endpoint: str, what: str) -> Iterator[None]:
+    """Re-raise TensorStore's error of a request to the store that the operator must act on as one error naming
+    ``where`` (``checkpoint.storage.url=...``, or a checkpoint's URL), the options, and ``what`` (the object or
+    operation):
 
     - credentials the store refused (:data:`REFUSED_CREDENTIAL_CODES`, or a 401/403): the options and
       :data:`CREDENTIAL_VARIABLES`, the S3 error code, never the store's answer (AWS repeats the access key id and the
@@ -322,16 +323,15 @@ def s3_errors_named(url: str, endpoint: str, what: str) -> Iterator[None]:
         code = _s3_error_code(text)
         if code in REFUSED_CREDENTIAL_CODES or text.startswith(("PERMISSION_DENIED", "UNAUTHENTICATED")):
             named = s3_endpoint(endpoint)
-            where = f"the store at {named.url} (from {named.source})" if named is not None else "AWS S3"
+            store = f"the store at {named.url} (from {named.source})" if named is not None else "AWS S3"
             raise ValueError(
-                f"{URL_OPTION}={url!r}: {where} refused the credentials for {what} ({code or text.split(':', 1)[0]}); "
-                f"check {', '.join(CREDENTIAL_VARIABLES)} (or ~/.aws/credentials, the instance's role) and that "
-                f"{ENDPOINT_OPTION} names the store they belong to"
+                f"{where}: {store} refused the credentials for {what} ({code or text.split(':', 1)[0]}); check "
+                f"{', '.join(CREDENTIAL_VARIABLES)} (or ~/.aws/credentials, the instance's role) and that {URL_OPTION} "
+                f"and {ENDPOINT_OPTION} name the store they belong to"
             ) from None
         if _RETRIES_EXHAUSTED.search(text):
             raise ValueError(
-                f"{URL_OPTION}={url!r}: {what} failed after every retry ({RETRIES_OPTION}.max_retries): "
-                f"{_without_payloads(text)}"
+                f"{where}: {what} failed after every retry ({RETRIES_OPTION}.max_retries): {_without_payloads(text)}"
             ) from None
         raise
 

@@ -69,4 +69,4 @@ class TensorStoreStorage:
     def _errors_named(self, what: str) -> contextlib.AbstractContextManager[None]:
         """An error of the store the operator must act on (refused credentials, retries exhausted) as one error
         naming the options and ``what`` (:func:`~moc_lightning.storage.location.s3_errors_named`)."""
-        return s3_errors_named(self.url, self.endpoint, what)
+        return s3_errors_named(f"checkpoint.storage.url={self.url!r}", self.endpoint, what)

@@ -153,7 +153,7 @@ class CheckpointLocation:
     def errors_named(self, what: str) -> contextlib.AbstractContextManager[None]:
         """An error of the store the operator must act on (refused credentials, retries exhausted) as one error
         naming the options, this checkpoint and ``what`` (:func:`~moc_lightning.storage.location.s3_errors_named`)."""
-        return s3_errors_named(self.url, self.endpoint, what)
+        return s3_errors_named(f"checkpoint {self.url}", self.endpoint, what)
 
     def move_to(self, checkpoint_id: str | os.PathLike | None) -> None:
         """Follow a ``checkpoint_id`` (a path or kvstore URL) given to ``dcp.save``/``dcp.load``, if any."""
