@@ -404,9 +404,15 @@ def test_s3_trials_draw_a_network_fault_beside_the_same_kills_and_refuse_replay(
     were); a trial whose network fault never fired is no pass."""
     local, s3 = TrialConfig(), TrialConfig(storage="s3")
     for seed in range(40):
-        drawn = draw_faults(random.Random(seed), s3)
-        assert drawn[:-1] == draw_faults(random.Random(seed), local) and drawn[-1].kind == "network"
+        drawn, drawn_locally = draw_faults(random.Random(seed), s3), draw_faults(random.Random(seed), local)
+        assert [f.label for f in drawn[:-1]] == [f.label for f in drawn_locally] and drawn[-1].kind == "network"
         FaultRule(**drawn[-1].rule)  # the proxy takes it
+        for fault, local_fault in zip(drawn, drawn_locally):
+            plan = FaultPlan.parse(fault.plan) if fault.plan else None
+            if plan is not None and plan.phase in ("persist", "manifest_commit"):  # the first reached, not a step's
+                assert plan.step is None and plan.nth == 1 and plan.rank == FaultPlan.parse(local_fault.plan).rank
+            else:
+                assert fault == local_fault
     kinds = {draw_faults(random.Random(s), s3)[-1].label for s in range(200)}
     assert kinds == {f"net:{kind}" for kind in NETWORK_FAULTS}
     network = {"kind": "network", "label": "net:slowdown", "plan": None}

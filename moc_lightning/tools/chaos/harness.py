@@ -28,7 +28,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -191,8 +191,19 @@ def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
     if cfg.storage == "s3":
         from moc_lightning.tools.chaos.s3_trials import draw_network_fault  # boto3: the dev extra
 
+        faults = [_at_first_reached(f) for f in faults]
         faults.append(Fault("network", 0, rule=draw_network_fault(rng)))
     return faults
+
+
+def _at_first_reached(fault: Fault) -> Fault:
+    """On ``storage=s3``, a kill inside a persist or its commit lands in the first one reached rather than the one of a
+    drawn step: a persist over S3 outlasts several snapshots, which skip theirs, so a drawn step's persist is mostly
+    never taken and the kill would never fire."""
+    plan = FaultPlan.parse(fault.plan) if fault.kind == "kill" and fault.plan else None
+    if plan is None or plan.phase not in ("persist", "manifest_commit") or plan.step is None:
+        return fault
+    return replace(fault, plan=replace(plan, step=None, nth=1).spec())
 
 
 def _draw_pec_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
