@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from moc_lightning.engine.parts import SCOPES as PEC_SCOPES
 from moc_lightning.sharding.ownership import STRATEGIES as SHARDING_STRATEGIES
-from moc_lightning.storage.location import parse_endpoint
+from moc_lightning.storage.location import S3RetryConfig, parse_endpoint
 
 SELECTION_POLICIES = ("sequential", "load_aware")
 STORAGE_BACKENDS = ("filesystem", "tensorstore")
@@ -58,6 +58,9 @@ class StorageConfig:
     ``s3://`` URL on the ``tensorstore`` backend. Empty: ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` as boto3
     reads them, else AWS itself. An option because TensorStore ignores those variables and a job's environment is
     not always the user's to set; keys never go here (the AWS environment or a profile holds them)."""
+    retries: S3RetryConfig = field(default_factory=S3RetryConfig)
+    """How an ``s3://`` request the store answered 5xx/429/``SlowDown`` or whose connection failed is retried:
+    bounded, with backoff, each retry counted in the fit summary (``moc/storage_retries``)."""
 
     def __post_init__(self) -> None:
         _require_choice("checkpoint.storage.backend", self.backend, STORAGE_BACKENDS)

@@ -16,7 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import xdist  # noqa: E402
 from quick_bench import BenchRun, run_quick_bench  # noqa: E402
-from s3_server import S3Server, running_s3_server  # noqa: E402
+
+from moc_lightning.tools.chaos.s3_proxy import S3FaultProxy  # noqa: E402
+from moc_lightning.tools.chaos.s3_server import S3Server, running_s3_server  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
@@ -50,6 +52,14 @@ def s3_server() -> Iterator[S3Server]:
     """A live S3-protocol server (moto) for this test process, with the AWS environment pointed at it."""
     with running_s3_server() as server:
         yield server
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[S3FaultProxy]:
+    """A fault proxy in front of this process's S3 server, with no rule yet (``tests/test_s3_faults.py``)."""
+    proxy = S3FaultProxy(s3_server.endpoint).start()
+    yield proxy
+    proxy.stop()
 
 
 @pytest.fixture

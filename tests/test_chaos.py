@@ -42,6 +42,8 @@ from moc_lightning.tools.chaos.harness import (
     tally,
 )
 from moc_lightning.tools.chaos.oracle import read_records, sample_ids, state_digests, tensor_digest
+from moc_lightning.tools.chaos.s3_proxy import FaultRule
+from moc_lightning.tools.chaos.s3_trials import NETWORK_FAULTS
 
 
 # ------------------------------------------------------------------ oracle
@@ -315,6 +317,9 @@ def test_completion_and_hang_checks() -> None:
     assert "rank 1" in check_completes(recs, ok, 24, 2)[0]
     resumed_at_the_end = {0: [{"inc": 1, "kind": "restored", "step": 24}]}
     assert check_completes(resumed_at_the_end, ok, 24, 1) == [], "a resume at max_steps has nothing left to train"
+    started_at_the_end = {0: [{"inc": 1, "kind": "start", "step": 24}]}
+    assert check_completes(started_at_the_end, ok, 24, 1) == [], "so in PEC mode, its start recorded at fit's end"
+    assert check_completes({0: [{"inc": 1, "kind": "start", "step": 12}]}, ok, 24, 1), "a start alone is no finish"
     looped = [{"inc": i, "rc": 1, "hang": None, "tail": "boom"} for i in range(5)]
     assert "no clean finish in 5" in check_completes(recs, looped, 24, 2)[0]
     assert check_no_hang(ok) == []
@@ -392,6 +397,32 @@ def test_drawn_faults_are_seeded() -> None:
     assert {"kill:train", "kill:snapshot", "kill:slot_commit", "kill:persist", "kill:manifest_commit",
             "kill:recovery", "node_loss"} <= labels
     assert any(label.startswith("damage:") for label in labels)
+
+
+def test_s3_trials_draw_a_network_fault_beside_the_same_kills_and_refuse_replay() -> None:
+    """``storage=s3`` adds one network fault, a valid proxy rule, drawn after the local draws (which stay as they
+    were); a trial whose network fault never fired is no pass."""
+    local, s3 = TrialConfig(), TrialConfig(storage="s3")
+    for seed in range(40):
+        drawn, drawn_locally = draw_faults(random.Random(seed), s3), draw_faults(random.Random(seed), local)
+        assert [f.label for f in drawn[:-1]] == [f.label for f in drawn_locally] and drawn[-1].kind == "network"
+        FaultRule(**drawn[-1].rule)  # the proxy takes it
+        for fault, local_fault in zip(drawn, drawn_locally):
+            plan = FaultPlan.parse(fault.plan) if fault.plan else None
+            if plan is not None and plan.phase in ("persist", "manifest_commit"):  # the first reached, not a step's
+                assert plan.step is None and plan.nth == 1 and plan.rank == FaultPlan.parse(local_fault.plan).rank
+            else:
+                assert fault == local_fault
+    kinds = {draw_faults(random.Random(s), s3)[-1].label for s in range(200)}
+    assert kinds == {f"net:{kind}" for kind in NETWORK_FAULTS}
+    network = {"kind": "network", "label": "net:slowdown", "plan": None}
+    unfired = TrialResult(3, [network], failures={"restore": []}, fired=[False])
+    assert unfired.held and unfired.verdict == "UNFIRED net:slowdown"
+    assert "network faults fired per kind: slowdown 0/1" in summary_table(tally([unfired]))
+    with pytest.raises(ValueError, match="storage=s3 runs mode=pec trials, not mode='replay'"):
+        TrialConfig(storage="s3", mode="replay", max_steps=16)
+    with pytest.raises(ValueError, match="storage='gcs' is not allowed; choose one of: local, s3"):
+        TrialConfig(storage="gcs")
 
 
 def test_damage_hits_a_ranks_newest_stored_window_or_its_head(tmp_path: Path) -> None:

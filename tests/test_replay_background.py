@@ -82,7 +82,7 @@ def _wrap_storage(monkeypatch: pytest.MonkeyPatch, before: Callable[[int], None]
     puts = WindowPuts(before)
     monkeypatch.setattr(
         "moc_lightning.lightning.engines.make_storage",
-        lambda backend, url, endpoint: SlowableStorage(make_storage(backend, url, endpoint), puts),
+        lambda backend, url, endpoint, retries: SlowableStorage(make_storage(backend, url, endpoint, retries), puts),
     )
     return puts
 

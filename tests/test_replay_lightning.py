@@ -18,13 +18,13 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning_run import Recorder, fit, fit_or_crash, moc_config, window_slots
-from s3_server import S3Server
 
 from moc_lightning.config import CheckpointConfig, ReplayConfig, StorageConfig
 from moc_lightning.lightning import replay_wiring
 from moc_lightning.replay import driver as replay_driver
 from moc_lightning.replay.window_store import window_object
 from moc_lightning.runtime.background import spare_core
+from moc_lightning.tools.chaos.s3_server import S3Server
 
 MAX_STEPS = 12
 WINDOW = 3

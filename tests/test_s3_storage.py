@@ -11,6 +11,7 @@ bitwise, and the same PLT."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import threading
@@ -23,7 +24,6 @@ import boto3
 import pytest
 import torch
 from lightning_run import DrainPersists, Recorder, check_sources, fit, fit_or_crash, moc_config
-from s3_server import CREDENTIALS, S3Server
 
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.engine.manifest import Manifest
@@ -32,6 +32,8 @@ from moc_lightning.models import GPTMoEConfig
 from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.storage import location, make_storage
 from moc_lightning.storage.location import s3_spec
+from moc_lightning.tools.chaos.s3_proxy import FaultRule, S3FaultProxy
+from moc_lightning.tools.chaos.s3_server import CREDENTIALS, S3Server
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -65,7 +67,8 @@ def _node_loss(tmp_path: Path, url: str, endpoint: str = "") -> tuple[Recorder, 
 
 @pytest.mark.slow
 def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
-    s3_server: S3Server, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    s3_server: S3Server, proxy: S3FaultProxy, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The endpoint named by ``checkpoint.storage.endpoint`` alone (no ``AWS_ENDPOINT_URL``): training, the resume,
     ``moc-consolidate --endpoint`` and the damaged-object fallback all reach the store it names.
@@ -73,7 +76,9 @@ def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
     And ``moc-consolidate`` reads the bucket as it reads the directory; ``resume=never`` refuses the bucket; a
     chunk object of the newest checkpoint cut short in the bucket behind MoC's back (a partial overwrite, a bad copy)
     fails its CRC32C, so the next resume drops that checkpoint, says so, and takes every unit from the one before,
-    bitwise; nothing of the damaged checkpoint is loaded. No key is printed or stored."""
+    bitwise; nothing of the damaged checkpoint is loaded. That resume runs through the fault proxy, which answers a few
+    writes ``503 SlowDown``: they are retried, and the log and the fit summary count them. No key is printed or
+    stored."""
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     endpoint = s3_server.endpoint
     bucket = s3_server.new_bucket()
@@ -114,12 +119,17 @@ def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
     shutil.rmtree(tmp_path / "s3" / "shm")
     printed = "".join(capfd.readouterr())
     again = Recorder(model=MODEL)
+    slow_down = proxy.add(FaultRule("status", "^PUT ", times=4, after=20, status=503))
     moc = fit_or_crash(
-        tmp_path / "s3", _config(tmp_path / "s3", url, endpoint), MAX_STEPS, again, [DrainPersists()], model=MODEL
+        tmp_path / "s3", _config(tmp_path / "s3", url, proxy.endpoint), MAX_STEPS, again, [DrainPersists()],
+        model=MODEL,
     )
     assert (newest.step, before.step, moc.recovery.resume_step) == (MAX_STEPS, 6, 6), f"{chunk} was cut short"
     fallback = "".join(capfd.readouterr())
     assert newest.name in fallback, "the fallback is reported"
+    retried = re.search(r"S3 requests retried: (\d+) on this rank \(checkpoint\.storage\.retries: max_retr", fallback)
+    assert slow_down.dealt == 4 and retried is not None and int(retried[1]) >= 4, fallback[-2000:]
+    assert "S3 requests retried by the final persist of step 8 " in fallback, "a persist that needed retries says so"
     check_sources(first, again, moc.recovery.sources)
     assert not [s for s in SECRETS if s.encode() in stored or s in printed + fallback], "a key was stored or printed"
 

@@ -23,14 +23,15 @@ from moc_lightning.models.lightning import GPTMoEModule
 from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.pec.loading import LoadReport
 from moc_lightning.storage import make_storage
+from moc_lightning.storage.location import S3RetryConfig
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES])
 def test_failed_persists_are_counted_and_training_reaches_max_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
-    def failing_storage(backend: str, url: str, endpoint: str) -> FaultyStorage:
-        return FaultyStorage(make_storage(backend, url, endpoint), fail_writes={1: code, 2: code})
+    def failing_storage(backend: str, url: str, endpoint: str, retries: S3RetryConfig) -> FaultyStorage:
+        return FaultyStorage(make_storage(backend, url, endpoint, retries), fail_writes={1: code, 2: code})
 
     monkeypatch.setattr(engines_module, "make_storage", failing_storage)
     config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=1, k_snapshot=8, k_persist=8)
@@ -79,7 +80,7 @@ class SlowStorage(FaultyStorage):
 def test_slow_storage_skips_persists_and_keeps_memory_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engines_module, "make_storage", lambda b, u, e: SlowStorage(make_storage(b, u, e)))
+    monkeypatch.setattr(engines_module, "make_storage", lambda b, u, e, r: SlowStorage(make_storage(b, u, e, r)))
     config = moc_config(tmp_path, every_n_train_steps=1, persist_every_n_snapshots=1)
     moc = fit(tmp_path, config, 30, [])
     stats = moc.engine.stats

@@ -36,8 +36,10 @@ class Trainee:
         zero: bool = False,
         fsdp2: bool = False,
         shard_size: int | None = None,
+        config: GPTMoEConfig = TINY,
     ) -> None:
-        self.model = GPTMoE(TINY, topology, seed=seed)
+        self.config = config
+        self.model = GPTMoE(config, topology, seed=seed)
         self.fsdp2 = fsdp2
         if fsdp2:
             shards = shard_size or topology.world_size
@@ -53,7 +55,7 @@ class Trainee:
 
     def step(self, step: int) -> None:
         g = torch.Generator().manual_seed(100 + step)
-        tokens = torch.randint(0, 256, (BATCH, TINY.block_size + 1), generator=g)
+        tokens = torch.randint(0, 256, (BATCH, self.config.block_size + 1), generator=g)
         topo = self.model.topology
         share = BATCH // topo.world_size
         mine = tokens[topo.rank * share : (topo.rank + 1) * share]
@@ -80,17 +82,17 @@ class Trainee:
         self.assigned.append(assigned)
 
     def engine(self, cfg: CheckpointConfig, url: str) -> PECCheckpointer:
-        layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
+        layout = build_layout(self.model, self.optimizer, num_experts=self.config.num_experts)
         return PECCheckpointer(cfg, layout, self.model.topology, make_storage(cfg.storage.backend, url))
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of this rank's tensors of every unit it holds (of a DTensor, its local piece)."""
-        layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
+        layout = build_layout(self.model, self.optimizer, num_experts=self.config.num_experts)
         return {k: piece(v).clone() for k, v in layout.tensors().items()}
 
     def full_snapshot(self) -> dict[str, torch.Tensor]:
         """As :meth:`snapshot`, a DTensor all-gathered whole (collective): a test's oracle, never a checkpoint's."""
-        layout = build_layout(self.model, self.optimizer, num_experts=TINY.num_experts)
+        layout = build_layout(self.model, self.optimizer, num_experts=self.config.num_experts)
         return {k: (v.full_tensor() if v is not piece(v) else v).clone() for k, v in layout.tensors().items()}
 
 

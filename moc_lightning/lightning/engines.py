@@ -34,7 +34,8 @@ from moc_lightning.storage import CheckpointStorage, make_storage
 
 def open_storage(config: CheckpointConfig) -> CheckpointStorage:
     """This run's storage (``checkpoint.storage``)."""
-    return make_storage(config.storage.backend, config.storage.url, config.storage.endpoint)
+    storage = config.storage
+    return make_storage(storage.backend, storage.url, storage.endpoint, storage.retries)
 
 
 def model_topology(module: L.LightningModule) -> ExpertParallelTopology:

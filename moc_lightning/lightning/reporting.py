@@ -43,6 +43,7 @@ def snapshot_metrics(engine: TwoLevelCheckpointer, plt_known: bool) -> dict[str,
         "moc/k_persist": float(engine.pec.dynamic_k.k_persist),
         "moc/skipped_persists": float(stats.skipped_persists),
         "moc/failed_persists": float(stats.failed_persists),
+        "moc/storage_retries": float(stats.storage_retries()),
     }
     if plt_known:
         metrics["moc/plt"] = engine.pec.ledger.accumulated_plt
@@ -113,6 +114,9 @@ def fit_summary(config: CheckpointConfig, engine: TwoLevelCheckpointer, windows:
     stall = sum(stats.stall_seconds) / max(1, len(stats.stall_seconds)) * 1000
     at = f" at {config.storage.endpoint}" if config.storage.endpoint else ""
     lines = [f"[moc_lightning] checkpoints: {config.storage.url}{at} (snapshots under {config.shm_root})"]
+    if config.storage.url.startswith("s3://") or stats.storage_retries():
+        lines.append(f"[moc_lightning] S3 requests retried: {stats.storage_retries()} on this rank "
+                     f"({config.storage.retries.describe()})")
     if windows is None:
         lines.append(
             f"[moc_lightning] {stats.snapshots} snapshots, {stats.persists} persists "

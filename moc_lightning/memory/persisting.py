@@ -84,6 +84,9 @@ class PersistQueue:
                 cause = find_cause(error, OSError) or error
                 print(f"[moc_lightning] rank {rank}: persist raised {type(cause).__name__}: {cause} outside its "
                       "agreed phases (a peer lost?); training goes on")
+        note = self._stats.retries_note(rank, "the persist just ended (and any restore or write since the last count)")
+        if note is not None:
+            print(note)
         self.in_flight = None
         self._persisting_slot = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moc_lightning.pec.persist import SaveReport
+from moc_lightning.storage.location import s3_request_retries
 
 
 @dataclass(frozen=True)
@@ -53,4 +54,25 @@ class CheckpointStats:
     """The periodic persists (``persists`` counts them)."""
     final_persist: SaveReport | None = None
     """The persist of every unit when ``fit`` ended (``persist_on_fit_end``), kept apart from the periodic ones."""
+    retries_at_start: int = field(default_factory=s3_request_retries)
+    """TensorStore's count of retried S3 requests in this process when these stats began (the count is
+    process-wide: :meth:`storage_retries` is the difference)."""
+
+    retries_noted: int = 0
+    """:meth:`storage_retries` when :meth:`retries_note` last counted some."""
+
+    def retries_note(self, rank: int, what: str) -> str | None:
+        """The log line of the S3 requests retried on ``rank`` since the last count, by ``what`` (a persist); ``None``
+        when there were none."""
+        retried = self.storage_retries()
+        if retried <= self.retries_noted:
+            return None
+        new, self.retries_noted = retried - self.retries_noted, retried
+        return (f"[moc_lightning] rank {rank}: {new} S3 requests retried by {what} ({retried} in this fit; "
+                "bounded by checkpoint.storage.retries)")
+
+    def storage_retries(self) -> int:
+        """S3 requests retried (after a 5xx, 429 or ``SlowDown`` answer, or a failed connection) since these stats
+        began, in this process: persists, restores and replay windows alike (``checkpoint.storage.retries``)."""
+        return s3_request_retries() - self.retries_at_start
 

@@ -164,6 +164,10 @@ class TwoLevelCheckpointer:
         """
         self.completeness.check(f"the final persist of step {step}")
         report = persist_final(self.pec, self.faults, step, trainer_state)
+        note = self.stats.retries_note(self.rank, f"the final persist of step {step} (and any restore or write since "
+                                       "the last count)")
+        if note is not None:
+            print(note)
         if report is not None:
             self.stats.final_persist = report
             self.pec.prune_ledger(in_memory=self.store.steps())

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 from moc_lightning.storage.filesystem import FilesystemStorage
 from moc_lightning.storage.integrity import CorruptCheckpointError, corrupt_from, find_cause
+from moc_lightning.storage.location import S3RetryConfig
 from moc_lightning.storage.tensorstore import TensorStoreStorage
 
 
@@ -72,22 +73,26 @@ class CheckpointStorage(Protocol):
 __all__ = ["BACKENDS", "CheckpointStorage", "CorruptCheckpointError", "corrupt_from", "find_cause", "make_storage"]
 
 
-def make_storage(backend: str, url: str, endpoint: str = "") -> CheckpointStorage:
+def make_storage(
+    backend: str, url: str, endpoint: str = "", retries: S3RetryConfig | None = None
+) -> CheckpointStorage:
     """The storage named by ``checkpoint.storage.backend`` at ``checkpoint.storage.url``; ``endpoint``:
-    ``checkpoint.storage.endpoint``, an S3-compatible store's (``tensorstore`` with an ``s3://`` URL only).
+    ``checkpoint.storage.endpoint``, an S3-compatible store's (``tensorstore`` with an ``s3://`` URL only);
+    ``retries``: ``checkpoint.storage.retries``, how S3 requests are retried (``tensorstore`` only; default bounds
+    when ``None``).
 
     The root is opened (and created, when local) here, so a bad option fails before training starts.
     """
     if backend not in BACKENDS:
         raise ValueError(f"checkpoint.storage.backend={backend!r} is not allowed; choose one of: {', '.join(BACKENDS)}")
+    if backend == "tensorstore":
+        return TensorStoreStorage(url, endpoint, retries)
     if not endpoint:
         return BACKENDS[backend](url)
-    if backend != "tensorstore":
-        raise ValueError(
-            f"checkpoint.storage.endpoint={endpoint!r} needs checkpoint.storage.backend=tensorstore (the backend that "
-            f"writes to s3:// URLs), not {backend!r}"
-        )
-    return TensorStoreStorage(url, endpoint)
+    raise ValueError(
+        f"checkpoint.storage.endpoint={endpoint!r} needs checkpoint.storage.backend=tensorstore (the backend that "
+        f"writes to s3:// URLs), not {backend!r}"
+    )
 
 
 BACKENDS: dict[str, Callable[[str], CheckpointStorage]] = {

@@ -13,9 +13,12 @@ once, with a bounded wait, before the first open (:func:`check_endpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,20 @@ REGION_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION")
 DEFAULT_REGION = "us-east-1"
 ENDPOINT_TIMEOUT_S = 10.0
 """How long :func:`check_endpoint` waits for the endpoint's answer before it fails."""
+RETRIES_OPTION = "checkpoint.storage.retries"
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+"""Where TensorStore's default AWS chain finds the keys (then ``~/.aws/credentials``, then the instance's role)."""
+REFUSED_CREDENTIAL_CODES = frozenset({
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+    "AccessDenied", "AllAccessDisabled", "InvalidSecurity", "RequestExpired",
+})  # fmt: skip
+"""S3 error codes that mean the store refused the request's credentials (AWS's own list; MinIO and Ceph send the
+same)."""
+RETRIES_METRIC = "/tensorstore/kvstore/s3/retries"
+"""TensorStore's process-wide count of retried S3 requests (reads, writes, deletes, lists)."""
+PROBE_KEY = ".moc-access-probe"
+"""The key :func:`open_kvstore` reads once per bucket to learn whether the store takes the credentials: it is never
+written, so the store answers "not found" to good credentials and "refused" to bad ones."""
 
 
 def local_path(url: str) -> Path | None:
@@ -212,13 +229,124 @@ def _first_set(variables: tuple[str, ...]) -> str | None:
 
 def open_kvstore(url: str, context: ts.Context, endpoint: str = "") -> ts.KvStore:
     """Open the kvstore ``url`` names (``file://``, ``gs://``, ``s3://``, ``memory://``, ...); ``endpoint``:
-    ``checkpoint.storage.endpoint``, for ``s3://`` only."""
+    ``checkpoint.storage.endpoint``, for ``s3://`` only. An ``s3://`` root is checked once per process and bucket
+    before it is used: the endpoint answers (:func:`check_endpoint`), and the store takes the credentials (one read
+    of :data:`PROBE_KEY`; a refusal is one error naming the options and :data:`CREDENTIAL_VARIABLES`)."""
     spec = kvstore_spec(url, endpoint)  # a bad URL or endpoint fails first, in its own words
     check_endpoint(url, endpoint)
     try:
-        return ts.KvStore.open(spec, context=context).result()
+        kvstore = ts.KvStore.open(spec, context=context).result()
     except ValueError as err:
         raise ValueError(
             f"{URL_OPTION}={url!r} cannot be opened as a TensorStore kvstore "
             f"(a path, or a URL such as file:///abs/path, gs://bucket/path, s3://bucket/path): {err}"
         ) from err
+    if isinstance(spec, dict) and spec["driver"] == "s3" and (spec.get("endpoint"), spec["bucket"]) not in _ADMITTED:
+        with s3_errors_named(f"{URL_OPTION}={url!r}", endpoint, "the first request"):
+            kvstore.read(PROBE_KEY).result()
+        _ADMITTED.add((spec.get("endpoint"), spec["bucket"]))
+    return kvstore
+
+
+_ADMITTED: set[tuple[str | None, str]] = set()
+"""The ``(endpoint, bucket)`` pairs whose store took this process's credentials (:func:`open_kvstore`)."""
+
+
+@dataclass
+class S3RetryConfig:
+    """How an S3 request is retried (``checkpoint.storage.retries``): TensorStore's ``s3_request_retries``, set
+    explicitly because its default (32 retries, backoff from 1 s to 32 s) keeps a persist waiting ~17 minutes on a
+    store that stays down. TensorStore retries an answer 408, 429, 500, 502, 503 or 504, an S3 error code of
+    throttling or an internal error (``SlowDown``, ``InternalError``, ...), and a connection that fails (reset mid-
+    upload or mid-read, refused, timed out); it counts each retry (:func:`s3_request_retries`). Any other answer
+    (403, 404, ...) is final at once."""
+
+    max_retries: int = 8
+    """Tries after the first; the request fails after this many retries all failed (0: no retry)."""
+    initial_delay_s: float = 0.5
+    """Backoff before the first retry, in seconds; doubled before each next one (plus up to min(1 s, this) of
+    jitter)."""
+    max_delay_s: float = 8.0
+    """Longest backoff before a retry, in seconds. With the defaults a request gives up after ~40 s of backoff."""
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"{RETRIES_OPTION}.max_retries={self.max_retries} is not allowed; give an integer >= 0")
+        if not self.initial_delay_s > 0:
+            raise ValueError(
+                f"{RETRIES_OPTION}.initial_delay_s={self.initial_delay_s} is not allowed; give seconds > 0"
+            )
+        if not self.max_delay_s >= self.initial_delay_s:
+            raise ValueError(
+                f"{RETRIES_OPTION}.max_delay_s={self.max_delay_s} is not allowed; give seconds >= initial_delay_s="
+                f"{self.initial_delay_s}"
+            )
+
+    def context_spec(self) -> dict[str, Any]:
+        """The TensorStore context resources of these bounds."""
+        return {
+            "s3_request_retries": {
+                "max_retries": self.max_retries,
+                "initial_delay": f"{self.initial_delay_s}s",
+                "max_delay": f"{self.max_delay_s}s",
+            }
+        }
+
+    def describe(self) -> str:
+        """The bounds as an operator reads them in a message."""
+        return (f"{RETRIES_OPTION}: max_retries={self.max_retries}, backoff {self.initial_delay_s:g} s doubling "
+                f"to {self.max_delay_s:g} s")
+
+
+def s3_request_retries() -> int:
+    """How many S3 requests TensorStore has retried in this process so far (its :data:`RETRIES_METRIC` counter)."""
+    found = ts.experimental_collect_matching_metrics(RETRIES_METRIC, include_zero_metrics=True)
+    return sum(int(v.get("value", 0)) for metric in found for v in metric["values"])
+
+
+@contextlib.contextmanager
+def s3_errors_named(where: str, endpoint: str, what: str) -> Iterator[None]:
+    """Re-raise TensorStore's error of a request to the store that the operator must act on as one error naming
+    ``where`` (``checkpoint.storage.url=...``, or a checkpoint's URL), the options, and ``what`` (the object or
+    operation):
+
+    - credentials the store refused (:data:`REFUSED_CREDENTIAL_CODES`, or a 401/403): the options and
+      :data:`CREDENTIAL_VARIABLES`, the S3 error code, never the store's answer (AWS repeats the access key id and the
+      string it signed there);
+    - a request whose retries all failed: the retry bounds and the last answer.
+
+    Other errors pass unchanged (a missing object, damage: their callers tell those apart)."""
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        code = _s3_error_code(text)
+        if code in REFUSED_CREDENTIAL_CODES or text.startswith(("PERMISSION_DENIED", "UNAUTHENTICATED")):
+            named = s3_endpoint(endpoint)
+            store = f"the store at {named.url} (from {named.source})" if named is not None else "AWS S3"
+            raise ValueError(
+                f"{where}: {store} refused the credentials for {what} ({code or text.split(':', 1)[0]}); check "
+                f"{', '.join(CREDENTIAL_VARIABLES)} (or ~/.aws/credentials, the instance's role) and that {URL_OPTION} "
+                f"and {ENDPOINT_OPTION} name the store they belong to"
+            ) from None
+        if _RETRIES_EXHAUSTED.search(text):
+            raise ValueError(
+                f"{where}: {what} failed after every retry ({RETRIES_OPTION}.max_retries): {_without_payloads(text)}"
+            ) from None
+        raise
+
+
+_RETRIES_EXHAUSTED = re.compile(r"All \d+ retry attempts failed")
+_AWS_CODE = re.compile(r"\b([A-Z][A-Za-z]+): ")
+_PAYLOAD = re.compile(r" \[[a-z_-]+='.*?'\](?= \[|$)", re.DOTALL)
+
+
+def _s3_error_code(text: str) -> str | None:
+    """The S3 error code TensorStore puts in its message (``PERMISSION_DENIED: InvalidAccessKeyId: ...``)."""
+    codes = [c for c in _AWS_CODE.findall(text.split(" [", 1)[0]) if not c.isupper()]
+    return codes[-1] if codes else None
+
+
+def _without_payloads(text: str) -> str:
+    """TensorStore's message without the payloads it appends (the store's whole answer, its request id)."""
+    return _PAYLOAD.sub("", text)

@@ -66,7 +66,7 @@ from moc_lightning.storage.integrity import (
     metadata_bytes,
     verified,
 )
-from moc_lightning.storage.location import kvstore_spec, kvstore_url, open_kvstore
+from moc_lightning.storage.location import kvstore_spec, kvstore_url, open_kvstore, s3_errors_named
 from moc_lightning.storage.zarr_arrays import from_numpy, open_array, open_new_array, region, to_numpy
 
 BLOBS_PREFIX = ".bytes/"
@@ -150,6 +150,11 @@ class CheckpointLocation:
         """Where the checkpoint is, as a URL (:func:`~moc_lightning.storage.location.kvstore_url`)."""
         return kvstore_url(self.kvstore)
 
+    def errors_named(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """An error of the store the operator must act on (refused credentials, retries exhausted) as one error
+        naming the options, this checkpoint and ``what`` (:func:`~moc_lightning.storage.location.s3_errors_named`)."""
+        return s3_errors_named(f"checkpoint {self.url}", self.endpoint, what)
+
     def move_to(self, checkpoint_id: str | os.PathLike | None) -> None:
         """Follow a ``checkpoint_id`` (a path or kvstore URL) given to ``dcp.save``/``dcp.load``, if any."""
         if checkpoint_id:
@@ -192,12 +197,13 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
         A failed earlier attempt at this location may have left ``.metadata`` behind; arrays rewritten
         under it would make it describe a mix of old and new bytes.
         """
-        self.kvstore.delete_range(ts.KvStore.KeyRange(METADATA_NAME, METADATA_NAME + "\x00")).result()
+        with self.errors_named(f"the deletion of a stale {METADATA_NAME}"):
+            self.kvstore.delete_range(ts.KvStore.KeyRange(METADATA_NAME, METADATA_NAME + "\x00")).result()
         return [dataclasses.replace(plan, storage_data=f"{BLOBS_PREFIX}{i}") for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write every chunk of ``plan`` as its own array and its non-tensor values as one blob; return when durable."""
-        with os_errors_raised():
+        with os_errors_raised(), self.errors_named("a write of this rank's arrays or values"):
             return _completed(self._write_arrays(plan, planner) + self._write_values(plan, planner))
 
     def _write_arrays(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -262,7 +268,7 @@ class TensorStoreWriter(CheckpointLocation, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Publish the checkpoint: ``.metadata`` (with where every item went, sealed) is the last object written."""
-        with os_errors_raised():
+        with os_errors_raised(), self.errors_named(f"the write of {METADATA_NAME}"):
             self.kvstore.write(METADATA_NAME, metadata_bytes(metadata, results, self.storage_meta())).result()
 
 
@@ -282,7 +288,9 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's DCP metadata; a checkpoint without it was never finished and is refused."""
-        return load_metadata(self.url, self._read_object(METADATA_NAME), self.load_id)
+        with self.errors_named(f"the read of {METADATA_NAME}"):
+            data = self._read_object(METADATA_NAME)
+        return load_metadata(self.url, data, self.load_id)
 
     def _read_object(self, key: str) -> bytes | None:
         """The bytes of object ``key``; ``None`` if it does not exist."""
@@ -305,13 +313,14 @@ class TensorStoreReader(CheckpointLocation, StorageReader):
         """
         tensor_reads = [item for item in plan.items if item.type == LoadItemType.TENSOR]
         keys = {self.storage_data[item.storage_index].key for item in tensor_reads}
-        with self._damage_reported():
+        with self._damage_reported(), self.errors_named("a read of its arrays"):
             stores = {key: open_array(self.kvstore, key) for key in keys}
             started = (self._read_operation(item, stores) for item in tensor_reads)
             for item, read in in_flight(started, IN_FLIGHT_BYTES):  # reads change nothing: no need to settle
                 what = f"array {self.storage_data[item.storage_index].key}"
                 commit_piece(planner, item, from_numpy(read.result()), self.url, what)
-        self._read_values([item for item in plan.items if item.type == LoadItemType.BYTE_IO], planner)
+        with self.errors_named("a read of its values"):
+            self._read_values([item for item in plan.items if item.type == LoadItemType.BYTE_IO], planner)
         return _completed(None)
 
     @contextlib.contextmanager

@@ -302,8 +302,8 @@ def check_final_state(consolidated: Mapping[str, str] | str, reference: Records,
 
 
 def check_completes(records: Records, outcomes: Sequence[Mapping[str, Any]], max_steps: int, world: int) -> list[str]:
-    """The last incarnation exited cleanly and every rank reached ``max_steps``: trained it, or (replay mode) resumed
-    there with nothing left to train (its ``restored`` record)."""
+    """The last incarnation exited cleanly and every rank reached ``max_steps``: trained it, or resumed there with
+    nothing left to train (its ``start`` record; replay mode's ``restored``)."""
     if not outcomes or outcomes[-1]["rc"] != 0:
         rcs = [o["rc"] for o in outcomes]
         return [f"no clean finish in {len(outcomes)} incarnations (exit codes {rcs}): "
@@ -311,7 +311,8 @@ def check_completes(records: Records, outcomes: Sequence[Mapping[str, Any]], max
     last = outcomes[-1]["inc"]
     failures = []
     for rank in range(world):
-        steps = [r["step"] for r in records.get(rank, ()) if r["kind"] in ("step", "restored") and r["inc"] == last]
+        steps = [r["step"] for r in records.get(rank, ())
+                 if r["kind"] in ("step", "start", "restored") and r["inc"] == last]
         if max(steps, default=0) != max_steps:
             failures.append(f"rank {rank}: the final incarnation {last} ended at step {max(steps, default=0)}, "
                             f"not max_steps={max_steps}")

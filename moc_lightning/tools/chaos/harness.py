@@ -28,9 +28,9 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -41,6 +41,9 @@ from moc_lightning.replay.window_store import WINDOW_SUFFIX, head_object
 from moc_lightning.runtime.faults import KILL_LINE, FaultPlan
 from moc_lightning.tools.chaos.checks import run_checks
 from moc_lightning.tools.chaos.oracle import INCARNATION_ENV, read_records, tensor_digest
+
+if TYPE_CHECKING:  # boto3, which it imports, is in the dev extra: imported where storage=s3 runs
+    from moc_lightning.tools.chaos.s3_trials import BucketStore
 
 WORLD = 4
 RANKS_PER_NODE = 2
@@ -63,6 +66,9 @@ REPLAY_DATA_PARALLEL = ("ddp", "zero2")
 """``data_parallel`` of replay trials: ``final_state`` compares the consolidated checkpoint's whole tensors with what
 the ranks hold, which under ``fsdp2`` are shards (the oracle digests each rank's pieces)."""
 HANG_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
+STORAGES = ("local", "s3")
+"""Where a trial's job keeps its checkpoints: a local directory, or a bucket of a local S3-protocol server behind the
+fault proxy, which deals a network fault per trial (:mod:`~moc_lightning.tools.chaos.s3_trials`)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class TrialConfig:
     the last step, the edge case of a resume with nothing left to train."""
     persist_windows: int = 2
     """``checkpoint.replay.persist_every_n_windows`` (replay mode)."""
+    storage: str = "local"
+    """One of :data:`STORAGES`; ``s3`` runs PEC trials only."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -108,6 +116,11 @@ class TrialConfig:
             raise ValueError(f"window={self.window} is not allowed; choose 1 <= window <= max_steps={self.max_steps}")
         if self.persist_windows < 1:
             raise ValueError(f"persist_windows={self.persist_windows} is not allowed; choose an integer >= 1")
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage={self.storage!r} is not allowed; choose one of: {', '.join(STORAGES)}")
+        if self.storage == "s3" and self.mode != "pec":
+            raise ValueError(f"storage=s3 runs mode=pec trials, not mode={self.mode!r} (replay windows in a bucket: "
+                             "tests/test_replay_lightning.py)")
 
     @property
     def snapshot_steps(self) -> list[int]:
@@ -145,9 +158,13 @@ class Fault:
     op: str | None = None
     rank: int | None = None
     """Damage of a replay window: the rank whose newest stored window it is."""
+    rule: dict[str, Any] | None = None
+    """A ``network`` fault (``storage=s3``): the fault proxy's rule, as :class:`~.s3_proxy.FaultRule`'s arguments."""
 
     @property
     def label(self) -> str:
+        if self.kind == "network":
+            return f"net:{_needed(self.rule, self, 'rule')['name']}"
         if self.kind == "kill":
             return f"kill:{FaultPlan.parse(_needed(self.plan, self, 'plan')).phase}"
         if self.kind == "damage":
@@ -166,9 +183,31 @@ def _needed(value: T | None, fault: Fault, name: str) -> T:
 
 
 def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
-    """A kill at a random point of incarnation 0, maybe followed by a second fault."""
+    """A kill at a random point of incarnation 0, maybe followed by a second fault; on ``storage=s3`` a network
+    fault beside them (drawn last: a local trial's draws stay what they were)."""
     if cfg.mode == "replay":
         return draw_replay_faults(rng, cfg)
+    faults = _draw_pec_faults(rng, cfg)
+    if cfg.storage == "s3":
+        from moc_lightning.tools.chaos.s3_trials import draw_network_fault  # boto3: the dev extra
+
+        faults = [_at_first_reached(f) for f in faults]
+        faults.append(Fault("network", 0, rule=draw_network_fault(rng)))
+    return faults
+
+
+def _at_first_reached(fault: Fault) -> Fault:
+    """On ``storage=s3``, a kill inside a persist or its commit lands in the first one reached rather than the one of a
+    drawn step: a persist over S3 outlasts several snapshots, which skip theirs, so a drawn step's persist is mostly
+    never taken and the kill would never fire."""
+    plan = FaultPlan.parse(fault.plan) if fault.kind == "kill" and fault.plan else None
+    if plan is None or plan.phase not in ("persist", "manifest_commit") or plan.step is None:
+        return fault
+    return replace(fault, plan=replace(plan, step=None, nth=1).spec())
+
+
+def _draw_pec_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
+    """PEC mode's kill and second fault."""
     phase = rng.choice(KILL_PHASES)
     rank = 0 if phase == "manifest_commit" else rng.randrange(WORLD)
     if phase == "train":
@@ -279,9 +318,11 @@ def lose_node(shm_root: Path, node: int) -> str:
 
 
 def run_incarnation(
-    work: Path, shm_root: Path, cfg: TrialConfig, inc: int, fault_plan: str | None, no_moc: bool = False
+    work: Path, shm_root: Path, cfg: TrialConfig, inc: int, fault_plan: str | None, no_moc: bool = False,
+    storage: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One launch of the job; its outcome: exit code, seconds, whether it hung, the last lines of output."""
+    """One launch of the job; its outcome: exit code, seconds, whether it hung, the last lines of output.
+    ``storage``: the run's ``s3://`` URL and the endpoint to reach it by (default: ``work/ckpt``)."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     env[INCARNATION_ENV] = str(inc)
     env.pop("MOC_FAULT", None)
@@ -295,6 +336,8 @@ def run_incarnation(
         "--data-parallel", cfg.data_parallel, "--pec-scope", cfg.pec_scope, "--mode", cfg.mode,
         "--window", str(cfg.window), "--persist-windows", str(cfg.persist_windows),
     ] + (["--no-moc"] if no_moc else [])  # fmt: skip
+    if storage is not None:
+        cmd += ["--storage-url", storage[0], "--endpoint", storage[1]]
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"inc{inc}.log"
     start = time.monotonic()
@@ -365,7 +408,7 @@ class TrialResult:
     failures: dict[str, list[str]] = field(default_factory=dict)
     fired: list[bool] = field(default_factory=list)
     """Per drawn fault, whether it happened (a kill planned past the end of training, or damage after a clean
-    finish, does not)."""
+    finish, does not; a network fault whose requests never came)."""
     starts: list[tuple[int, int]] = field(default_factory=list)
     """``(incarnation, step it trained from)`` as rank 0 recorded them: where each recovery landed."""
     seconds: float = 0.0
@@ -377,12 +420,14 @@ class TrialResult:
 
     @property
     def unfired(self) -> list[str]:
-        """The kills drawn that never fired: the trial did not test what it drew."""
-        return [f["label"] for f, fired in zip(self.faults, self.fired) if f["kind"] == "kill" and not fired]
+        """The kills and network faults drawn that never fired: the trial did not test what it drew."""
+        drawn = zip(self.faults, self.fired)
+        return [f["label"] for f, fired in drawn if f["kind"] in ("kill", "network") and not fired]
 
     @property
     def passed(self) -> bool:
-        """Every check held and every kill fired (a trial whose kill never fired is no pass, whatever its checks)."""
+        """Every check held and every kill and network fault fired (a trial whose fault never fired is no pass, whatever
+        its checks)."""
         return self.held and not self.unfired
 
     @property
@@ -393,14 +438,22 @@ class TrialResult:
 
 
 def run_trial(
-    seed: int, root: Path, cfg: TrialConfig, reference: Mapping[int, list[dict[str, Any]]], keep: bool = False
+    seed: int, root: Path, cfg: TrialConfig, reference: Mapping[int, list[dict[str, Any]]], keep: bool = False,
+    bucket: BucketStore | None = None,
 ) -> TrialResult:
-    """Draw the faults of ``seed``, run the trial's incarnations under ``root``, and check them."""
+    """Draw the faults of ``seed``, run the trial's incarnations under ``root``, and check them; ``bucket``: the
+    server and proxy of ``storage=s3`` trials (:func:`~moc_lightning.tools.chaos.s3_trials.bucket_store`)."""
     rng = random.Random(seed)
     faults = draw_faults(rng, cfg)
     result = TrialResult(seed, [asdict(f) | {"label": f.label} for f in faults])
-    print(f"[chaos] trial seed={seed}: faults {[f.label + (f' ({f.plan})' if f.plan else '') for f in faults]}",
-          flush=True)
+    described = [f.label + (f" ({f.plan or f.rule})" if f.plan or f.rule else "") for f in faults]
+    print(f"[chaos] trial seed={seed}: faults {described}", flush=True)
+    storage = None
+    if cfg.storage == "s3":
+        if bucket is None:
+            raise ValueError("storage=s3 trials need the bucket store they run against (s3_trials.bucket_store())")
+        network = next((f.rule for f in faults if f.kind == "network"), None)
+        storage = (bucket.new_trial(seed, network), bucket.proxy.endpoint)
     work = root / f"trial-{seed}"
     shm_root = Path(f"/dev/shm/chaos_{seed}_{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
@@ -408,7 +461,7 @@ def run_trial(
     try:
         for inc in range(cfg.restarts + 1):
             plan = next((f.plan for f in faults if f.kind == "kill" and f.after == inc), None)
-            outcome = run_incarnation(work, shm_root, cfg, inc, plan)
+            outcome = run_incarnation(work, shm_root, cfg, inc, plan, storage=storage)
             result.outcomes.append(outcome)
             if outcome["rc"] == 0 or outcome["hang"]:
                 break  # a hang is the finding; restarting into more hangs would only burn the trial's time
@@ -416,11 +469,16 @@ def run_trial(
                 if f.after == inc and f.kind == "node_loss":
                     result.applied.append(lose_node(shm_root, _needed(f.node, f, "node")))
                 elif f.after == inc and f.kind == "damage":
+                    target, op = _needed(f.target, f, "target"), _needed(f.op, f, "op")
                     result.applied.append(
-                        damage(work / "ckpt", _needed(f.target, f, "target"), _needed(f.op, f, "op"), rng, f.rank)
+                        damage(work / "ckpt", target, op, rng, f.rank) if bucket is None or storage is None
+                        else bucket.damage(storage[0], target, op, rng)
                     )
         records = {r: read_records(work / "oracle" / f"rank{r}.jsonl") for r in range(WORLD)}
-        result.fired = [_fired(f, result.outcomes) for f in faults]
+        result.fired = [bucket.fired() if f.kind == "network" and bucket is not None else _fired(f, result.outcomes)
+                        for f in faults]
+        if bucket is not None:
+            result.applied.append(f"network: {bucket.dealt()} requests faulted")
         began = "restored" if cfg.mode == "replay" else "start"  # replay mode: where the state after the replay is
         result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == began]
         final = None
@@ -473,10 +531,13 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
             for fault in {f["label"] for f, fired in zip(result.faults, result.fired) if fired}:
                 by_fault.setdefault(fault, {}).setdefault(check, Counter())[verdict] += 1
     kills: dict[str, Counter] = {}
+    network: dict[str, Counter] = {}
     for result in results:
         for f, fired in zip(result.faults, result.fired):
             if f["kind"] == "kill":
                 kills.setdefault(f["label"].removeprefix("kill:"), Counter()).update(drawn=1, fired=int(fired))
+            elif f["kind"] == "network":
+                network.setdefault(f["label"].removeprefix("net:"), Counter()).update(drawn=1, fired=int(fired))
     return {
         "trials": len(results),
         "passed": sum(r.passed for r in results),
@@ -485,6 +546,7 @@ def tally(results: list[TrialResult]) -> dict[str, Any]:
         "injections": sum(sum(r.fired) for r in results),
         "not_fired": dict(Counter(f["label"] for r in results for f, fired in zip(r.faults, r.fired) if not fired)),
         "kills": {phase: dict(counts) for phase, counts in sorted(kills.items())},
+        "network": {kind: dict(counts) for kind, counts in sorted(network.items())},
         "seconds_per_trial": [r.seconds for r in results],
         "checks": {k: dict(v) for k, v in checks.items()},
         "by_fault": {f: {k: dict(v) for k, v in c.items()} for f, c in sorted(by_fault.items())},
@@ -519,6 +581,9 @@ def summary_table(summary: Mapping[str, Any]) -> str:
              f"{summary['injections']} injections (drawn but not fired: {summary['not_fired'] or 'none'})",
              "kill points reached per phase: " + ", ".join(f"{phase} {c.get('fired', 0)}/{c['drawn']}"
                                                            for phase, c in summary["kills"].items()),
+             *(["network faults fired per kind: " + ", ".join(f"{kind} {c.get('fired', 0)}/{c['drawn']}"
+                                                          for kind, c in summary["network"].items())]
+               if summary.get("network") else []),
              f"{'':28}" + "".join(f"{c:>{_width(c)}}" for c in checks)]
 
     def row(name: str, counts: Mapping[str, Mapping[str, int]]) -> str:

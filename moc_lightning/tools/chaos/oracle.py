@@ -80,6 +80,7 @@ class Oracle(L.Callback):
         self.out = Path(out)
         self.incarnation = int(os.environ.get(INCARNATION_ENV, "0"))
         self._file: Any = None
+        self._started = False
 
     def write(self, trainer: L.Trainer, record: dict[str, Any]) -> None:
         """Append ``record`` to this rank's file, flushed and fsynced: a kill right after it loses none of it."""
@@ -95,7 +96,22 @@ class Oracle(L.Callback):
         """:func:`state_digests` of the module and the trainer's optimizer, as they are now."""
         return state_digests(module, trainer.optimizers[0] if trainer.optimizers else None)
 
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._started = False
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._start(trainer, module)
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """A fit resumed at ``max_steps`` runs no batch and calls no ``on_train_start``: its ``start`` is recorded
+        here (before MoC's final persist, a checkpoint callback's hook running after the others'), so that the
+        restore is checked and the run seen complete. Over ``s3://`` a kill inside a slow persist lands there often:
+        training reached ``max_steps`` while the persist was still writing."""
+        if not self._started:
+            self._start(trainer, module)
+
+    def _start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._started = True
         step = trainer.global_step
         report = recovery_report(trainer) if step > 0 else None
         self.write(trainer, {"kind": "start", "step": step, "digests": self.digests(trainer, module),

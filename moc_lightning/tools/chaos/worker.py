@@ -53,7 +53,19 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=4, help="checkpoint.replay.window (mode replay)")
     parser.add_argument("--persist-windows", type=int, default=2,
                         help="checkpoint.replay.persist_every_n_windows (mode replay)")
+    parser.add_argument("--storage-url", default="", help="an s3:// checkpoint.storage.url (default: WORK/ckpt)")
+    parser.add_argument("--endpoint", default="", help="checkpoint.storage.endpoint of an s3:// --storage-url")
     return parser.parse_args()
+
+
+def _storage(args: argparse.Namespace) -> StorageConfig:
+    """``WORK/ckpt`` on the default backend, or ``--storage-url`` (``s3://``) on ``tensorstore`` with the trials' retry
+    bounds."""
+    if not args.storage_url:
+        return StorageConfig(url=(args.work / "ckpt").resolve().as_uri())
+    from moc_lightning.tools.chaos.s3_trials import S3_RETRIES  # boto3: the dev extra, needed by storage=s3 alone
+
+    return StorageConfig(backend="tensorstore", url=args.storage_url, endpoint=args.endpoint, retries=S3_RETRIES)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -73,7 +85,7 @@ def train(args: argparse.Namespace) -> None:
             pec_scope=args.pec_scope,
             mode=args.mode,
             replay=ReplayConfig(window=args.window, persist_every_n_windows=args.persist_windows),
-            storage=StorageConfig(url=(args.work / "ckpt").resolve().as_uri()),
+            storage=_storage(args),
             shm_root=args.shm_root,
             ranks_per_node=RANKS_PER_NODE,
         ))
