@@ -34,7 +34,7 @@ from moc_lightning.tools.scale_report import recorded_collectives, snapshot_path
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier",
                "all_to_all", "reduce_scatter_tensor", "all_gather_into_tensor")  # fmt: skip
-LINGER = 1.5
+LINGER = 1.0
 """Seconds the slow rank's persist goes on after its collectives are done (its writes and commit are shared)."""
 
 
