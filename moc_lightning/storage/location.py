@@ -114,7 +114,7 @@ def s3_spec(url: str, endpoint: str = "") -> dict[str, Any]:
         "driver": "s3",
         "bucket": bucket,
         "path": path if not path or path.endswith("/") else f"{path}/",
-        "aws_region": _region(),
+        "aws_region": s3_region(),
         "aws_credentials": {"type": "default"},
     }
     named = s3_endpoint(endpoint)
@@ -188,7 +188,7 @@ def check_endpoint(url: str, endpoint: str = "", timeout_s: float | None = None)
     timeout_s = ENDPOINT_TIMEOUT_S if timeout_s is None else timeout_s
     bucket, _ = _bucket_and_path(url)
     named = s3_endpoint(endpoint)
-    address = named.url if named is not None else f"https://s3.{_region()}.amazonaws.com"
+    address = named.url if named is not None else f"https://s3.{s3_region()}.amazonaws.com"
     if (address, bucket) in _ANSWERED:
         return  # every reader and writer opens the root again: ask once per process
     request = urllib.request.Request(f"{address}/{bucket}", method="HEAD")
@@ -231,7 +231,7 @@ def _first_set(variables: tuple[str, ...]) -> tuple[str, str] | None:
     return None
 
 
-def _region() -> str:
+def s3_region() -> str:
     """The region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, else :data:`DEFAULT_REGION`."""
     found = _first_set(REGION_VARIABLES)
     return found[1] if found is not None else DEFAULT_REGION
