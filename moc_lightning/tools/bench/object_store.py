@@ -32,7 +32,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,11 +47,14 @@ from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.storage import make_storage
 from moc_lightning.storage.location import open_kvstore, parse_endpoint, s3_endpoint, s3_region
 from moc_lightning.tools.bench.config import GB, BenchConfig
-from moc_lightning.tools.bench.fitting import fit, release_memory
+from moc_lightning.tools.bench.fitting import fit
 from moc_lightning.tools.bench.methods import layout_of
 
 TRANSFER = TransferConfig()
 """boto3's defaults, as ``aws s3 cp`` uses them: multipart above 8 MiB, 8 MiB parts, 10 requests in flight."""
+
+PHASES = ("persist", "put", "restore", "get")
+"""What each trial times: MoC's persist, its bound, MoC's restore, its bound."""
 
 PUT_MEASURED = "the checkpoint's bytes as one object: boto3 multipart upload, 8 MiB parts, 10 in flight"
 GET_MEASURED = "the checkpoint's objects, each read whole through TensorStore's s3 kvstore, all requested at once"
@@ -106,8 +109,6 @@ def object_store_row(cfg: BenchConfig, work: Path) -> ObjectStoreRow:
             bench = _Trials(cfg, layout, module, client, bucket, endpoint)
             for trial in range(cfg.s3_trials):
                 bench.run(trial)
-    del run
-    release_memory()
     return bench.row(endpoint, server)
 
 
@@ -145,23 +146,24 @@ def _bucket(client: Any, name: str) -> Iterator[str]:
         client.delete_bucket(Bucket=made)
 
 
+@dataclass
 class _Trials:
     """The interleaved trials on one bucket, under a prefix of their own, and their figures."""
 
-    def __init__(
-        self, cfg: BenchConfig, layout: Layout, module: GPTMoEModule, client: Any, bucket: str, endpoint: str
-    ) -> None:
-        self.cfg = cfg
-        self.layout = layout
-        self.module = module
-        self.client = client
-        self.bucket = bucket
-        self.endpoint = endpoint
-        self.prefix = f"moc_bench_{uuid.uuid4().hex[:12]}"
-        self.seconds: dict[str, list[float]] = {"persist": [], "put": [], "restore": [], "get": []}
-        self.written: _Written | None = None
-        self.payload = b""
-        """The PUT's bytes: as many as the checkpoint's, random (made once, outside any timing)."""
+    cfg: BenchConfig
+    layout: Layout
+    """The trained state's units, which every persist writes and every restore loads back."""
+    module: GPTMoEModule
+    client: Any
+    """boto3's S3 client of the endpoint: the PUT, the listings, the clean-up."""
+    bucket: str
+    endpoint: str
+    prefix: str = field(default_factory=lambda: f"moc_bench_{uuid.uuid4().hex[:12]}")
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name in PHASES})
+    """Every trial's seconds, by phase."""
+    written: _Written | None = None
+    payload: bytes = b""
+    """The PUT's bytes: as many as the checkpoint's, random (made once, outside any timing)."""
 
     def run(self, trial: int) -> None:
         """One trial on a fresh prefix, removed afterwards; the first starts with MoC's persist (its size sizes the
@@ -222,7 +224,7 @@ class _Trials:
         return seconds
 
     def _get(self, url: str, root: str) -> float:
-        written = self._written()
+        written = self._persisted()
         kvstore = open_kvstore(url, ts.Context(), self.endpoint)  # asks the endpoint once, outside the timing
         keys = [key.removeprefix(f"{root}/") for key in written.keys]
         start = time.perf_counter()
@@ -233,14 +235,14 @@ class _Trials:
             raise RuntimeError(f"the GET read {nbytes} bytes of the persist's {written.nbytes}")
         return seconds
 
-    def _written(self) -> _Written:
+    def _persisted(self) -> _Written:
         if self.written is None:
             raise RuntimeError("no persist yet: a trial's GET reads what its persist wrote")
         return self.written
 
     def row(self, endpoint: str, server: str) -> ObjectStoreRow:
         """The figures: each GB/s from the fastest of its trials, and the ratios of those."""
-        written = self._written()
+        written = self._persisted()
         best = {name: written.nbytes / min(seconds) / GB for name, seconds in self.seconds.items()}
         kept = {name: [round(s, 6) for s in seconds] for name, seconds in self.seconds.items()}
         return ObjectStoreRow(
