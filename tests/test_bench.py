@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,6 +32,7 @@ from moc_lightning.tools.bench import (
 )
 from moc_lightning.tools.bench.config import train_config
 from moc_lightning.tools.bench.timing import Row
+from moc_lightning.tools.chaos.s3_server import S3Server
 
 NUMBERS = ("stall_ms_mean", "stall_ms_p95", "overhead_pct", "bytes_per_checkpoint", "expected_bytes", "persist_gbps",
            "recover_seconds")
@@ -278,3 +280,47 @@ def test_the_table_says_where_a_moc_stall_goes_and_flags_a_bound_that_was_exceed
     assert "dcp_async's snapshot throughput is 130.0% of its speed of light: not a bound in this run" in table
     assert "moc_k1's" not in table and "dcp_async stall" not in table
     assert bounds.Bounds([9.0, 10.0], [1.0, 0.5]).copy_gbps == 10.0
+
+
+SMALLEST = GPTMoEConfig(block_size=8, n_layer=1, moe_every=1, n_embd=8, n_head=1, num_experts=2, top_k=1, bias=False)
+"""One MoE block of 2 experts, no biases: 12 parameters, so few objects that moto takes them in a second or two."""
+
+
+@pytest.mark.slow
+def test_the_s3_row_measures_persist_and_restore_beside_put_and_get_of_the_same_bytes(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """``storage=s3`` (issue 31, item 4), two trials (one of each order): every figure is there and positive, each
+    GB/s is the checkpoint's bytes over its fastest trial, each ratio the quotient of two of them, the table prints
+    them, and the bucket the bench made is gone. Durations are not asserted: this is a 2-core machine."""
+    cfg = BenchConfig(model=SMALLEST, steps=2, every_n_train_steps=1, warmup_steps=0, methods=[], storage="s3",
+                      endpoint=s3_server.endpoint, s3_trials=2, shm_root=str(tmp_path))  # fmt: skip
+    result = run_bench(cfg, tmp_path)
+    row = result["object_store"]
+    assert (result["storage"], row["endpoint"], row["server"], row["trials"]) == (
+        "s3", s3_server.endpoint, "the endpoint option", 2)
+    assert row["checkpoint_bytes"] > row["tensor_bytes"] == result["state_bytes"] > 0, "framing on top of eq. 5"
+    assert row["checkpoint_objects"] > 12, "an object (or more) per tensor, metadata besides"
+    for name in ("persist", "put", "restore", "get"):
+        seconds = row[f"{name}_seconds"]
+        assert len(seconds) == 2 and min(seconds) > 0, (name, seconds)
+        assert row[f"{name}_gbps"] == pytest.approx(row["checkpoint_bytes"] / min(seconds) / 1e9, rel=0.01, abs=1e-4)
+    assert row["persist_put_ratio"] == pytest.approx(min(row["put_seconds"]) / min(row["persist_seconds"]), rel=0.01)
+    assert row["restore_get_ratio"] == pytest.approx(min(row["get_seconds"]) / min(row["restore_seconds"]), rel=0.01)
+    table = markdown_table(result)
+    assert "| persist / PUT |" in table and f"| {row['persist_put_ratio']} |" in table, table
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    assert not [b["Name"] for b in s3.list_buckets()["Buckets"] if b["Name"].startswith("moc-bench-")]
+
+
+def test_storage_options_are_checked_before_any_run() -> None:
+    with pytest.raises(ValueError, match=r"storage='gcs' is not allowed; choose one of: local, s3"):
+        BenchConfig(storage="gcs")
+    with pytest.raises(ValueError, match=r"endpoint and bucket are for storage=s3, not storage='local'"):
+        BenchConfig(endpoint="http://127.0.0.1:9000")
+    with pytest.raises(ValueError, match=r"endpoint='127.0.0.1:9000' is not an endpoint; give http"):
+        BenchConfig(storage="s3", endpoint="127.0.0.1:9000")
+    with pytest.raises(ValueError, match=r"storage=s3 measures one process; got devices=2"):
+        BenchConfig(storage="s3", devices=2)
+    with pytest.raises(ValueError, match=r"s3_trials must be >= 1, got 0"):
+        BenchConfig(storage="s3", s3_trials=0)

@@ -1,13 +1,14 @@
 """Checkpoints on ``s3://`` against a live S3-protocol server (moto, started by the ``s3_server`` fixture), as on a
-local directory: persists, a resume after the loss of the node (everything from the bucket), ``moc-consolidate``
-reading it, ``resume=never`` refusing a bucket that holds another lineage; and the endpoint, named by
-``checkpoint.storage.endpoint`` or the standard AWS environment, with a bounded wait where it does not answer (issue
-31, item 1). Elsewhere: replay windows in a bucket in ``test_replay_lightning.py``, beside the uninterrupted run it is
-held to; the storage round trips on ``s3://`` and two ranks' row ranges read whole by one process (resharding, at the
-storage level) in the ``s3`` cases of ``test_storage.py``.
+local directory: persists, a resume after the loss of the node (everything from the bucket), a resume after a kill
+from the node's memory and the bucket together (two-level recovery), 2 ranks resumed in one process (resharding),
+``moc-consolidate`` reading the bucket, ``resume=never`` refusing a bucket that holds another lineage; and the endpoint,
+named by ``checkpoint.storage.endpoint`` or the standard AWS environment, with a bounded wait where it does not answer
+(issue 31, item 1). Elsewhere: replay windows in a bucket in ``test_replay_lightning.py``, beside the uninterrupted run
+it is held to; the storage round trips on ``s3://`` and two ranks' row ranges read whole by one process (resharding, at
+the storage level) in the ``s3`` cases of ``test_storage.py``.
 
-The run on the bucket is held to the same run on a local directory (same seed and options): the same recovery,
-bitwise, and the same PLT."""
+A run on the bucket is held to the same run on a local directory (same seed and options: the same recovery, bitwise,
+and the same PLT), or to the state its own recorder took at every step (the two-level resume)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import boto3
 import pytest
 import torch
+from dist_utils import run_ranks
 from lightning_run import DrainPersists, Recorder, check_sources, fit, fit_or_crash, moc_config
 
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.engine.manifest import Manifest
+from moc_lightning.engine.units import parse_unit
 from moc_lightning.export.consolidate import main as consolidate
 from moc_lightning.models import GPTMoEConfig
 from moc_lightning.pec.stored import MANIFEST
@@ -48,8 +52,10 @@ SECRETS = (CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"
 
 
 def _config(tmp_path: Path, url: str, endpoint: str = "", **kw: object) -> CheckpointConfig:
-    """PEC, K=1 of 4 experts: snapshots every 2 steps, every second one persisted, on the tensorstore backend."""
-    config = moc_config(tmp_path, every_n_train_steps=2, persist_every_n_snapshots=2, k_snapshot=2, k_persist=1, **kw)
+    """PEC, K=1 of 4 experts: by default snapshots every 2 steps (K=2), every second one persisted, on the tensorstore
+    backend; ``kw`` overrides any option."""
+    options = {"every_n_train_steps": 2, "persist_every_n_snapshots": 2, "k_snapshot": 2, "k_persist": 1, **kw}
+    config = moc_config(tmp_path, **options)
     return replace(config, storage=StorageConfig(backend="tensorstore", url=url, endpoint=endpoint))
 
 
@@ -132,6 +138,86 @@ def test_pec_on_a_bucket_recovers_a_lost_node_as_on_a_local_directory(
     assert "S3 requests retried by the final persist of step 8 " in fallback, "a persist that needed retries says so"
     check_sources(first, again, moc.recovery.sources)
     assert not [s for s in SECRETS if s.encode() in stored or s in printed + fallback], "a key was stored or printed"
+
+
+KILLED, RESUMED = 6, 5
+"""The two-level test's process is killed after step 6's optimizer step, before its snapshot; it resumes at step 5."""
+ONE_BLOCK = GPTMoEConfig(block_size=8, n_layer=1, moe_every=1, n_embd=8, n_head=1, num_experts=4, top_k=1, bias=False)
+"""One MoE block of 4 experts, no biases: 16 parameters, 2.6 times fewer objects per persist than ``MODEL``."""
+
+
+@pytest.mark.slow
+def test_a_killed_process_resumes_from_its_memory_and_the_bucket(s3_server: S3Server, tmp_path: Path) -> None:
+    """Two-level recovery over ``s3://``: a snapshot every step (K=1 of 4 experts), every third persisted (the first
+    complete). Killed after step 6, its shared memory intact, the three slots hold steps 3, 4 (kept as the newest
+    persisted) and 5: three experts' newest copies; the fourth's, step 2's, was overwritten, so it comes from the
+    bucket, from the complete persist of step 1. Every restored tensor is bitwise its recorded version of the step the
+    recovery names."""
+    config = _config(tmp_path, f"s3://{s3_server.new_bucket()}/run", every_n_train_steps=1,
+                     persist_every_n_snapshots=3, k_snapshot=1, persist_on_fit_end=False)  # fmt: skip
+    first = Recorder(at=tuple(range(1, RESUMED + 1)), crash_after=KILLED, model=ONE_BLOCK)
+    fit_or_crash(tmp_path, config, KILLED + 1, first, [DrainPersists()], model=ONE_BLOCK)
+    resumed = Recorder(model=ONE_BLOCK)
+    report = fit_or_crash(tmp_path, config, RESUMED + 1, resumed, [DrainPersists()], model=ONE_BLOCK).recovery
+
+    assert report.resume_step == resumed.start_step == RESUMED
+    stored = {unit: s["step"] for unit, s in report.sources.items() if s["level"] == "storage"}
+    in_memory = {unit: s["step"] for unit, s in report.sources.items() if s["level"] == "memory_local"}
+    assert stored and in_memory and len(stored) + len(in_memory) == len(report.sources), report.sources
+    assert all(unit.startswith("expert/") for unit in stored) and set(stored.values()) == {1}, stored
+    assert {step for unit, step in in_memory.items() if unit.startswith("dense/")} == {RESUMED}
+    assert {step for unit, step in in_memory.items() if unit.startswith("expert/")} <= {3, 4, 5}
+    check_sources(first, resumed, report.sources)
+    assert report.plt > 0, "the expert from step 1 lost the tokens routed to it since"
+
+
+RESHARDED = 2
+"""The 2-rank run's only snapshot and persist (complete: the first of its lineage), the 1-process resume's step."""
+
+
+def _trained_on_two_ranks(rank: int, world_size: int, roots: dict[str, tuple[str, str]]) -> dict[str, dict]:
+    """A 2-rank DDP fit (EP 2: 2 experts on each rank) to step ``RESHARDED`` per storage root of ``roots``
+    (``where -> (directory, url)``), its persist drained; this rank's recorded state then, by storage."""
+    recorded = {}
+    for where, (root, url) in roots.items():
+        recorder = Recorder(at=(RESHARDED,), model=ONE_BLOCK)
+        fit(Path(root), _config(Path(root), url, persist_on_fit_end=False), RESHARDED, [recorder, DrainPersists()],
+            model=ONE_BLOCK, devices=world_size)  # fmt: skip
+        recorded[where] = recorder.states[RESHARDED]
+    return recorded
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_in_one_process_from_a_bucket_as_from_a_local_directory(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Resharding on load over ``s3://``: 2 gloo ranks, each holding 2 of the 4 experts, persist to the bucket and, the
+    twin, to a local directory; one process resumes from each and holds all 4 experts, every tensor bitwise what the
+    rank that held it had, and the bucket's resume is bitwise the directory's, with the same sources and PLT.
+
+    Failed on 86abbc6 (on the directory too): the trainer state a rank captured carries its optimizer's parameter
+    groups, whose sizes are that rank's (EP 2: 2 experts' parameters), and the resume handed them to Lightning as
+    they were, which refused a group of another size than the 1-process optimizer's."""
+    roots = {"s3": (str(tmp_path / "s3"), f"s3://{s3_server.new_bucket()}/run"),
+             "local": (str(tmp_path / "local"), (tmp_path / "local" / "ckpt").as_uri())}  # fmt: skip
+    for root, _ in roots.values():
+        Path(root).mkdir()
+    ranks = run_ranks(_trained_on_two_ranks, 2, tmp_path, roots, init_process_group=False)
+    held = [{parse_unit(k).key for k in r["s3"] if k.startswith("expert/")} for r in ranks]
+    assert len(held[0]) == len(held[1]) == 2 and not held[0] & held[1], "each rank holds its own 2 experts"
+    resumed = {}
+    for where, (root, url) in roots.items():
+        recorder = Recorder(model=ONE_BLOCK)
+        config = _config(Path(root), url, persist_on_fit_end=False)
+        report = fit(Path(root), config, RESHARDED + 1, [recorder], model=ONE_BLOCK).recovery
+        assert report.resume_step == RESHARDED and {s["level"] for s in report.sources.values()} == {"storage"}
+        written = {RESHARDED: {**ranks[0][where], **ranks[1][where]}}
+        check_sources(SimpleNamespace(start={}, states=written), recorder, report.sources)
+        assert {parse_unit(k).key for k in recorder.start if k.startswith("expert/")} == held[0] | held[1]
+        resumed[where] = recorder.start, report
+    (start, report), (local_start, local) = resumed["s3"], resumed["local"]
+    assert report.sources == local.sources and report.plt == local.plt
+    assert start.keys() == local_start.keys() and all(torch.equal(t, local_start[k]) for k, t in start.items())
 
 
 # ---------------------------------------------------------------- the endpoint

@@ -118,3 +118,22 @@ def test_a_window_tail_that_would_run_code_is_refused(marker: Path) -> None:
 
     with pytest.raises(ValueError, match=r"window.*posix\.system"):
         read_buffer(data)
+
+
+class UsersOwn:
+    """A type of the user's in a callback's state: refused unless the user allows it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_a_type_the_user_allows_later_decodes_and_is_refused_again_outside() -> None:
+    """The restricted unpickler is built once per allow-list: one built before ``add_safe_globals`` must not stand for
+    the list after it (nor the other way round)."""
+    encoded = encode_state({"loops": {}, "callbacks": {"Mine": UsersOwn(3)}})
+    with pytest.raises(ValueError, match=r"trainer state.*UsersOwn.*add_safe_globals"):
+        decode_state(encoded)
+    with torch.serialization.safe_globals([UsersOwn]):
+        assert decode_state(encoded)["callbacks"]["Mine"].value == 3
+    with pytest.raises(ValueError, match=r"trainer state.*UsersOwn"):
+        decode_state(encoded)

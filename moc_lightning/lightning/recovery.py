@@ -39,10 +39,28 @@ def checkpoint_from(
     checkpoint["state_dict"] = module.state_dict()
     optimizer_state = optimizer.state_dict()
     saved = checkpoint.get("optimizer_states") or [{}]
-    optimizer_state["param_groups"] = saved[0].get("param_groups", optimizer_state["param_groups"])
+    groups = optimizer_state["param_groups"]
+    optimizer_state["param_groups"] = _hyperparameters_over(groups, saved[0].get("param_groups"))
     checkpoint["optimizer_states"] = [optimizer_state]
     checkpoint.setdefault("callbacks", {})[state_key] = engine.pec.state_dict()
     return checkpoint
+
+
+def _hyperparameters_over(
+    live: list[dict[str, Any]], saved: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The captured groups' hyperparameters (learning rate, betas, weight decay, as the schedule left them) over the
+    live optimizer's groups, each keeping its own parameter indices: after a change of world size or EP degree a rank
+    holds other parameters than the one that captured the state (2 ranks of EP 2 hold 2 of 4 experts each, one process
+    all 4), and Lightning refuses a group whose size differs from the optimizer's."""
+    if saved is None:
+        return live
+    if len(saved) != len(live):
+        raise ValueError(
+            f"the captured trainer state has {len(saved)} optimizer parameter group(s), this optimizer {len(live)}: "
+            "configure_optimizers must build the groups it built when the checkpoint was taken"
+        )
+    return [{**captured, "params": own["params"]} for captured, own in zip(saved, live)]
 
 
 def fresh_checkpoint(engine: TwoLevelCheckpointer, module: L.LightningModule, why: str) -> dict[str, Any]:

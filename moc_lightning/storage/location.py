@@ -109,15 +109,12 @@ def s3_spec(url: str, endpoint: str = "") -> dict[str, Any]:
     region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, the credentials from TensorStore's default AWS chain (the
     environment's keys, then the shared files and profile, then the instance's metadata). The spec names the chain,
     never a key, so it may be logged and recorded."""
-    parsed = urlparse(url)
-    if not parsed.netloc:
-        raise ValueError(f"{URL_OPTION}={url!r} names no bucket; give s3://BUCKET/path")
-    path = parsed.path.lstrip("/")
+    bucket, path = _bucket_and_path(url)
     spec: dict[str, Any] = {
         "driver": "s3",
-        "bucket": parsed.netloc,
+        "bucket": bucket,
         "path": path if not path or path.endswith("/") else f"{path}/",
-        "aws_region": _first_set(REGION_VARIABLES) or DEFAULT_REGION,
+        "aws_region": s3_region(),
         "aws_credentials": {"type": "default"},
     }
     named = s3_endpoint(endpoint)
@@ -141,10 +138,11 @@ def s3_endpoint(endpoint: str = "") -> Endpoint | None:
     ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, as the AWS SDKs read them; ``None`` for AWS itself."""
     if endpoint:
         return Endpoint(parse_endpoint(endpoint, ENDPOINT_OPTION), ENDPOINT_OPTION)
-    variable = next((v for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
-    if variable is None:
+    found = _first_set(ENDPOINT_VARIABLES)
+    if found is None:
         return None
-    return Endpoint(parse_endpoint(os.environ[variable], variable), variable)
+    variable, value = found
+    return Endpoint(parse_endpoint(value, variable), variable)
 
 
 def parse_endpoint(endpoint: str, source: str) -> str:
@@ -188,12 +186,12 @@ def check_endpoint(url: str, endpoint: str = "", timeout_s: float | None = None)
     if urlparse(url).scheme != "s3":
         return
     timeout_s = ENDPOINT_TIMEOUT_S if timeout_s is None else timeout_s
-    spec = s3_spec(url, endpoint)
+    bucket, _ = _bucket_and_path(url)
     named = s3_endpoint(endpoint)
-    address = named.url if named is not None else f"https://s3.{spec['aws_region']}.amazonaws.com"
-    if (address, spec["bucket"]) in _ANSWERED:
+    address = named.url if named is not None else f"https://s3.{s3_region()}.amazonaws.com"
+    if (address, bucket) in _ANSWERED:
         return  # every reader and writer opens the root again: ask once per process
-    request = urllib.request.Request(f"{address}/{spec['bucket']}", method="HEAD")
+    request = urllib.request.Request(f"{address}/{bucket}", method="HEAD")
     try:
         urllib.request.urlopen(request, timeout=timeout_s).close()
     except urllib.error.HTTPError:
@@ -205,7 +203,7 @@ def check_endpoint(url: str, endpoint: str = "", timeout_s: float | None = None)
             f"({getattr(err, 'reason', err)}); start the store there, or name the one to use with {ENDPOINT_OPTION} "
             f"or {' / '.join(reversed(ENDPOINT_VARIABLES))}"
         ) from None
-    _ANSWERED.add((address, spec["bucket"]))
+    _ANSWERED.add((address, bucket))
 
 
 def kvstore_url(kvstore: ts.KvStore) -> str:
@@ -223,8 +221,29 @@ _ANSWERED: set[tuple[str, str]] = set()
 """The ``(endpoint, bucket)`` pairs that answered :func:`check_endpoint` in this process."""
 
 
-def _first_set(variables: tuple[str, ...]) -> str | None:
-    return next((os.environ[v] for v in variables if os.environ.get(v)), None)
+def _first_set(variables: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first of ``variables`` set to a non-empty value in the environment, and that value: an error must name
+    the variable a value came from."""
+    for variable in variables:
+        value = os.environ.get(variable)
+        if value:
+            return variable, value
+    return None
+
+
+def s3_region() -> str:
+    """The region from ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, else :data:`DEFAULT_REGION`."""
+    found = _first_set(REGION_VARIABLES)
+    return found[1] if found is not None else DEFAULT_REGION
+
+
+def _bucket_and_path(url: str) -> tuple[str, str]:
+    """The bucket and the path inside it (no leading ``/``) of ``s3://bucket/path``; an error naming the option when
+    it names no bucket."""
+    parsed = urlparse(url)
+    if not parsed.netloc:
+        raise ValueError(f"{URL_OPTION}={url!r} names no bucket; give s3://BUCKET/path")
+    return parsed.netloc, parsed.path.lstrip("/")
 
 
 def open_kvstore(url: str, context: ts.Context, endpoint: str = "") -> ts.KvStore:

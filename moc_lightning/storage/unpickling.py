@@ -20,6 +20,7 @@ weights-only unpickler, in Python, read a tail of 960 regions in 94 ms against 3
 from __future__ import annotations
 
 import _pickle
+import functools
 import io
 import types
 from collections.abc import Iterable
@@ -75,8 +76,17 @@ class UntrustedPickle(ValueError):
         self.what = what
 
 
-def _restricted(allowed: frozenset[Global], what: str, hint: str) -> type[_pickle.Unpickler]:
-    """C's unpickler, resolving only ``allowed`` and torch's dtypes; a refusal names ``what`` and adds ``hint``.
+class _Refused(Exception):
+    """Raised by a restricted unpickler's ``find_class``; its caller, which knows what it was loading, turns it into
+    :class:`UntrustedPickle` naming the object (the unpickler class is built once per allow-list, not per object)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__(f"{module}.{name}")
+        self.name = f"{module}.{name}"
+
+
+def _restricted(allowed: frozenset[Global]) -> type[_pickle.Unpickler]:
+    """C's unpickler, resolving only ``allowed`` and torch's dtypes; any other global raises :class:`_Refused`.
 
     ``_pickle``'s, not ``pickle.Unpickler``: Lightning swaps a pure-Python one in for the latter while it loads a
     ``ckpt_path`` (``pl_legacy_patch``), where a replay resume reads its window."""
@@ -86,25 +96,43 @@ def _restricted(allowed: frozenset[Global], what: str, hint: str) -> type[_pickl
             dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
             if dtype or (module, name) in allowed:
                 return super().find_class(module, name)
-            raise UntrustedPickle(what, f"it names {module}.{name}, {hint}")
+            raise _Refused(module, name)
 
     return Restricted
 
 
+_DCP_METADATA_UNPICKLER = _restricted(DCP_METADATA)
+_DCP_HINT = "which is not one of DCP's metadata classes"
+_TORCH_SAVED_HINT = (
+    "which MoC does not write there (a type of your own in a callback's or datamodule's state: allow it with "
+    "torch.serialization.add_safe_globals)"
+)
+
+
 def load_dcp_metadata(data: bytes, what: str) -> Any:
     """Unpickle a ``.metadata`` body; ``what`` names it in a refusal."""
-    unpickler = _restricted(DCP_METADATA, what, "which is not one of DCP's metadata classes")
-    return unpickler(io.BytesIO(data)).load()
+    try:
+        return _DCP_METADATA_UNPICKLER(io.BytesIO(data)).load()
+    except _Refused as refused:
+        raise UntrustedPickle(what, f"it names {refused.name}, {_DCP_HINT}") from None
 
 
 def load_torch_saved(data: IO[bytes], what: str, allowed: Iterable[type] = ()) -> Any:
     """``torch.load`` of ``data`` resolving only :data:`TORCH_SAVED`, the classes ``allowed`` (a pickle of MoC's
     holds them) and the user's ``torch.serialization.add_safe_globals``; ``what`` names the object in a refusal."""
     names = TORCH_SAVED | {_name(c) for c in allowed} | {_name(g) for g in torch.serialization.get_safe_globals()}
-    hint = "which MoC does not write there (a type of your own in a callback's or datamodule's state: allow it with "
-    hint += "torch.serialization.add_safe_globals)"
-    module = types.SimpleNamespace(__name__="moc_restricted_pickle", Unpickler=_restricted(names, what, hint))
-    return torch.load(data, weights_only=False, pickle_module=module)  # weights_only: see the module's docstring
+    try:  # weights_only: see the module's docstring
+        return torch.load(data, weights_only=False, pickle_module=_pickle_module(frozenset(names)))
+    except _Refused as refused:
+        raise UntrustedPickle(what, f"it names {refused.name}, {_TORCH_SAVED_HINT}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _pickle_module(allowed: frozenset[Global]) -> types.SimpleNamespace:
+    """The ``pickle_module`` ``torch.load`` takes, whose unpickler resolves only ``allowed``: built once per allow-list
+    (a window's tail is read at every replay resume, a DCP bytes item at every load), keyed by its names so that a
+    later ``add_safe_globals`` gets an unpickler of its own."""
+    return types.SimpleNamespace(__name__="moc_restricted_pickle", Unpickler=_restricted(allowed))
 
 
 def _name(allowed: Any) -> Global:

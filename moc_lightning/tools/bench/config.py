@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -10,6 +11,7 @@ from moc_lightning.data import DataConfig
 from moc_lightning.jobs.training import TrainConfig, TrainerConfig
 from moc_lightning.models.causal_lm import OptimConfig, check_data_parallel
 from moc_lightning.models.gpt_moe import GPTMoEConfig
+from moc_lightning.storage.location import parse_endpoint
 
 METHODS = (
     "lightning_sync", "lightning_async", "dcp_async", "nvrx_local", "moc_full", "moc_paper", "moc_k1", "moc_replay",
@@ -34,6 +36,12 @@ this slack, in ms."""
 STALL_PHASES = ("trainer_state", "agreement", "preparation", "copy", "wait", "hook")
 """Where a MoC snapshot's stall goes, on the training thread (:class:`~moc_lightning.memory.stats.StallPhases`, and
 ``hook``: the rest of the callback's two hooks, its batch end and the join before the next optimizer step)."""
+
+
+STORAGES = ("local", "s3")
+"""Where the benchmark persists: ``local`` (every method, against write+fsync) or ``s3`` (besides, the object-store
+row: MoC through ``s3://`` against the same server's own PUT and GET,
+:mod:`~moc_lightning.tools.bench.object_store`)."""
 
 
 BENCH_DATA_PARALLEL = ("ddp", "zero2", "fsdp2")
@@ -111,6 +119,20 @@ class BenchConfig:
     shm_root: str = ""
     """Directory in which a fresh, unique root for MoC's snapshot slots is made (and removed at the end);
     empty: ``/dev/shm`` where it exists (a tmpfs, as on real nodes), else the system temp directory."""
+    storage: str = "local"
+    """``local``: the methods' rows only. ``s3``: besides them (``methods=[]``: instead), the object-store row: MoC's
+    persist and restore of the whole state through ``checkpoint.storage.backend=tensorstore url=s3://...``, each beside
+    the same server's own multipart PUT and GET of the same bytes, in interleaved trials (one process only)."""
+    endpoint: str = ""
+    """``storage=s3``: the S3-compatible endpoint, ``http(s)://host[:port]``. Empty: ``AWS_ENDPOINT_URL_S3`` or
+    ``AWS_ENDPOINT_URL``; where neither is set, the benchmark starts moto's server on 127.0.0.1 (the ``dev`` extra)
+    for the run. Keys come from the AWS environment, never from here."""
+    bucket: str = ""
+    """``storage=s3``: an existing bucket to write under (a fresh prefix, removed at the end); empty: a new bucket,
+    made for the run and removed with its objects at the end."""
+    s3_trials: int = 3
+    """``storage=s3``: interleaved trials of MoC's persist, the PUT, MoC's restore and the GET; the best of each is
+    kept, so that the same noise spares none of them."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -127,6 +149,25 @@ class BenchConfig:
             raise ValueError(f"steps must be >= replay_window={self.replay_window}, or moc_replay completes no window")
         if not 0 <= self.warmup_steps < self.steps - 1:
             raise ValueError(f"warmup_steps must be in [0, steps - 1), got {self.warmup_steps}")
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        """``storage`` and its options, before any run: the object-store row needs boto3 and one process."""
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage={self.storage!r} is not allowed; choose one of: {', '.join(STORAGES)}")
+        if self.storage != "s3":
+            if self.endpoint or self.bucket:
+                raise ValueError(f"endpoint and bucket are for storage=s3, not storage={self.storage!r}")
+            return
+        if self.endpoint:
+            parse_endpoint(self.endpoint, "endpoint")
+        if self.s3_trials < 1:
+            raise ValueError(f"s3_trials must be >= 1, got {self.s3_trials}")
+        if self.devices != 1:
+            raise ValueError(f"storage=s3 measures one process; got devices={self.devices}")
+        if importlib.util.find_spec("boto3") is None:
+            raise ValueError("storage=s3 times the endpoint's own PUT and GET with boto3: pip install boto3 (the dev "
+                             "extra has it, and moto's server for a run with no endpoint)")
 
 
 def register_configs() -> None:

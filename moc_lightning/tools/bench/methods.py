@@ -128,7 +128,7 @@ class Method(abc.ABC):
 
     def expected_bytes(self, trainer: L.Trainer) -> float:
         """Eq. 5: a full-state method checkpoints every parameter with its optimizer state."""
-        return size_model(_layout(trainer)).c_full()
+        return size_model(layout_of(trainer)).c_full()
 
     def snapshot_bytes(self, trainer: L.Trainer) -> list[int]:
         """Bytes of each timed copy into memory: full-state methods copy all of the state."""
@@ -652,7 +652,8 @@ def _step_of(trainer: L.Trainer) -> Callable[[], int]:
     return lambda: trainer.global_step
 
 
-def _layout(trainer: L.Trainer) -> Layout:
+def layout_of(trainer: L.Trainer) -> Layout:
+    """The units of the model a bench run trained, over its optimizer's state."""
     module = cast(GPTMoEModule, trainer.lightning_module)  # the model every bench run trains (Fit)
     return build_layout(module, trainer.optimizers[0], num_experts=module.model_config.num_experts)
 

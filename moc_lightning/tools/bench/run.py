@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from moc_lightning.tools.bench.methods import (
     tensor_bytes,
 )
 from moc_lightning.tools.bench.timing import Baseline, Row
+
+if TYPE_CHECKING:  # imported where it runs: it needs boto3
+    from moc_lightning.tools.bench.object_store import ObjectStoreRow
 
 
 def _mean_ms(values: list[float]) -> float | None:
@@ -280,4 +283,17 @@ def _run(cfg: BenchConfig, work: Path, shm_root: Path) -> dict[str, Any]:
         "speed_of_light_trials": {"copy_gbps": base.bounds.copy_trials, "write_fsync_gbps": base.bounds.write_trials},
         "recover_measured": RECOVER_MEASURED,
         "methods": rows,
+        "storage": cfg.storage,
+        "object_store": asdict(_object_store_row(cfg, work)) if cfg.storage == "s3" else None,
     }
+
+
+def _object_store_row(cfg: BenchConfig, work: Path) -> ObjectStoreRow:
+    """The ``storage=s3`` row (:mod:`~moc_lightning.tools.bench.object_store`), imported here only: it needs boto3,
+    which only the ``dev`` extra installs (``BenchConfig`` checks it is there)."""
+    from moc_lightning.tools.bench.object_store import object_store_row
+
+    release_memory()
+    row = object_store_row(cfg, work)
+    _remove_on_rank0(work / "object_store")
+    return row

@@ -50,7 +50,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     measured = {row["name"]: row for row in result["methods"] if not row["skipped"]}
     return "\n".join([
         *lines, *_light_lines(result, measured), *_stall_lines(measured), *_peer_lines(result, measured),
-        *_replay_lines(result, measured),
+        *_replay_lines(result, measured), *_object_store_lines(result),
     ])
 
 
@@ -129,6 +129,36 @@ def _replay_lines(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> li
         f"beside it, {replay.get('cpu_overhead_pct')}% against the baseline{_noise_clause(result, replay)}",
         _window_write_line(result, replay),
         *_restore_lines(replay, result["speed_of_light"]["copy_gbps"]),
+    ]
+
+
+OBJECT_STORE_TABLE = (
+    ("bytes/ckpt", "checkpoint_bytes"),
+    ("objects", "checkpoint_objects"),
+    ("persist GB/s", "persist_gbps"),
+    ("multipart PUT GB/s", "put_gbps"),
+    ("persist / PUT", "persist_put_ratio"),
+    ("restore GB/s", "restore_gbps"),
+    ("GET GB/s", "get_gbps"),
+    ("restore / GET", "restore_get_ratio"),
+)
+
+
+def _object_store_lines(result: dict[str, Any]) -> list[str]:
+    """``storage=s3``'s row: MoC's persist and restore through ``s3://`` beside the same server's PUT and GET of the
+    same bytes, with the ratios; nothing for a run without it (or a result written before it existed)."""
+    row = result.get("object_store")
+    if row is None:
+        return []
+    return [
+        "",
+        f"object store ({row['endpoint']}: {row['server']}), the whole state (moc_full) through "
+        f"checkpoint.storage.backend=tensorstore, best of {row['trials']} interleaved trials; PUT: "
+        f"{row['put_measured']}; GET: {row['get_measured']}",
+        "",
+        "| " + " | ".join(title for title, _ in OBJECT_STORE_TABLE) + " |",
+        "|" + "---|" * len(OBJECT_STORE_TABLE),
+        "| " + " | ".join(_cell(row[key]) for _, key in OBJECT_STORE_TABLE) + " |",
     ]
 
 
