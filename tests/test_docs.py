@@ -63,3 +63,21 @@ def test_a_dead_link_is_found(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("[ok](there.md) [anchor](there.md#a) [web](https://example.org) [dead](gone.md)")
     assert dead_links(page) == ["gone.md"]
+
+
+CONFLICT_MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.MULTILINE)
+
+
+def test_no_tracked_text_file_holds_a_merge_conflict_marker() -> None:
+    """A merge once committed ``<<<<<<< HEAD`` into docs/performance.md and the strict site build passed: Markdown
+    renders the markers as text. Every tracked text file is read for them."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    suffixes = {".md", ".py", ".yaml", ".toml", ".txt", ".cfg", ".ipynb", ".sh"}
+    marked = [
+        name
+        for name in tracked
+        if Path(name).suffix in suffixes
+        and (ROOT / name).is_file()
+        and CONFLICT_MARKER.search((ROOT / name).read_text(errors="replace"))
+    ]
+    assert not marked, f"merge conflict markers in: {', '.join(marked)}"
