@@ -11,6 +11,10 @@ engine (:class:`~trainee.Trainee`), one process.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import time
 
 import boto3
@@ -27,7 +31,7 @@ from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.pec.outcomes import PersistFailed
 from moc_lightning.pec.stored import MANIFEST
 from moc_lightning.storage import CheckpointStorage, corrupt_from, make_storage
-from moc_lightning.storage.location import S3RetryConfig, s3_request_retries
+from moc_lightning.storage.location import STALL_VARIABLES, S3RetryConfig, s3_request_retries
 from moc_lightning.tools.chaos.s3_proxy import FaultRule, S3FaultProxy
 from moc_lightning.tools.chaos.s3_server import CREDENTIALS, S3Server
 
@@ -179,6 +183,48 @@ def test_uploads_cut_off_beyond_the_bound_fail_the_save_and_leave_no_checkpoint(
         dcp.load({"w": torch.zeros(64, 32)}, storage_reader=storage.reader("step_1"), no_dist=True)
     damage = corrupt_from(unfinished.value)
     assert damage is not None and ".metadata is missing" in damage.detail, unfinished.value
+
+
+STALLED_ROUND_TRIP = """
+import json, sys, time, torch, torch.distributed.checkpoint as dcp
+from moc_lightning.storage import make_storage
+from moc_lightning.storage.location import S3RetryConfig, s3_request_retries
+url, endpoint = sys.argv[1:3]
+storage = make_storage("tensorstore", url, endpoint, S3RetryConfig(3, 0.05, 0.2, stall_timeout_s=1))
+saved = {"w": torch.randn(64, 32)}
+start = time.monotonic()
+dcp.save(saved, storage_writer=storage.writer("step_1"), no_dist=True)
+wrote = time.monotonic() - start
+loaded = {"w": torch.zeros(64, 32)}
+dcp.load(loaded, storage_reader=storage.reader("step_1"), no_dist=True)
+print(json.dumps({"write_s": wrote, "round_trip_s": time.monotonic() - start, "retries": s3_request_retries(),
+                  "bitwise": torch.equal(loaded["w"], saved["w"])}))
+"""
+"""A round trip with ``stall_timeout_s=1``, in a process of its own: TensorStore reads the bound once per process, at
+its first HTTP request, which this test process has long made."""
+
+STALL_S = 120.0
+"""How long the proxy keeps a stalled request silent: a request that waits it out took no bound."""
+
+
+def test_a_request_gone_silent_is_aborted_after_the_stall_bound_and_retried(
+    s3_server: S3Server, proxy: S3FaultProxy
+) -> None:
+    """A chunk upload the store never answers (for 120 s): under ``checkpoint.storage.retries.stall_timeout_s=1`` it
+    is aborted within seconds (~7 s: curl's speed is a moving average) and retried, counted, and the round trip is
+    bitwise. On 7def2ed (no bound) such a request waited out the whole stall (40 s of 40 s in a probe with the same
+    rule, and as long for a read stopped halfway): a silent store would hold a persist, and the next, for tens of
+    minutes. Reads take the same transport and bound (the probe: 7.3 s for a read stalled 40 s)."""
+    rule = proxy.add(FaultRule("stall", "^PUT .*/c/", delay_s=STALL_S))
+    env = {k: v for k, v in os.environ.items() if k not in STALL_VARIABLES}
+    done = subprocess.run([sys.executable, "-c", STALLED_ROUND_TRIP, f"s3://{s3_server.new_bucket()}/run",
+                           proxy.endpoint], env=env, capture_output=True, text=True, timeout=2 * STALL_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rule.dealt == 1, "the stall was dealt"
+    assert result["bitwise"], result
+    assert result["round_trip_s"] < STALL_S / 4, f"a stalled request waited out the stall: {result}"
+    assert result["retries"] >= 1, f"an aborted request is a counted retry: {result}"
 
 
 def test_an_object_deleted_after_its_commit_is_damage_named_at_load(s3_server: S3Server, proxy: S3FaultProxy) -> None:

@@ -45,6 +45,10 @@ REFUSED_CREDENTIAL_CODES = frozenset({
 same)."""
 RETRIES_METRIC = "/tensorstore/kvstore/s3/retries"
 """TensorStore's process-wide count of retried S3 requests (reads, writes, deletes, lists)."""
+STALL_VARIABLES = ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES")
+"""How TensorStore's HTTP transport is told to abort a transfer that moves under LIMIT bytes a second for TIME
+seconds (curl's low-speed watchdog): it reads them once per process, when it makes its first HTTP request, and sets
+no timeout of its own (google/tensorstore#291)."""
 PROBE_KEY = ".moc-access-probe"
 """The key :func:`open_kvstore` reads once per bucket to learn whether the store takes the credentials: it is never
 written, so the store answers "not found" to good credentials and "refused" to bad ones."""
@@ -287,6 +291,11 @@ class S3RetryConfig:
     jitter)."""
     max_delay_s: float = 8.0
     """Longest backoff before a retry, in seconds. With the defaults a request gives up after ~40 s of backoff."""
+    stall_timeout_s: int = 30
+    """A request whose transfer moves less than a byte a second for this many seconds (a store or a connection gone
+    silent mid-request) is aborted and retried as a reset one is; 0: never (TensorStore's default, under which such a
+    request waits until the operating system drops the connection, tens of minutes). Process-wide: the first
+    ``s3://`` store a process opens sets it (:func:`apply_stall_timeout`)."""
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -300,6 +309,10 @@ class S3RetryConfig:
                 f"{RETRIES_OPTION}.max_delay_s={self.max_delay_s} is not allowed; give seconds >= initial_delay_s="
                 f"{self.initial_delay_s}"
             )
+        if isinstance(self.stall_timeout_s, bool) or not isinstance(self.stall_timeout_s, int) \
+                or self.stall_timeout_s < 0:
+            raise ValueError(f"{RETRIES_OPTION}.stall_timeout_s={self.stall_timeout_s!r} is not allowed; give whole "
+                             "seconds >= 0 (0: no bound)")
 
     def context_spec(self) -> dict[str, Any]:
         """The TensorStore context resources of these bounds."""
@@ -313,8 +326,18 @@ class S3RetryConfig:
 
     def describe(self) -> str:
         """The bounds as an operator reads them in a message."""
+        stall = f"{self.stall_timeout_s} s" if self.stall_timeout_s else "no bound"
         return (f"{RETRIES_OPTION}: max_retries={self.max_retries}, backoff {self.initial_delay_s:g} s doubling "
-                f"to {self.max_delay_s:g} s")
+                f"to {self.max_delay_s:g} s, a silent request aborted after {stall}")
+
+
+def apply_stall_timeout(retries: S3RetryConfig) -> None:
+    """Set :data:`STALL_VARIABLES` for ``retries.stall_timeout_s`` in this process, before TensorStore's first HTTP
+    request reads them; variables an operator set already are kept (they are what the transport may already use)."""
+    if retries.stall_timeout_s == 0:
+        return
+    os.environ.setdefault(STALL_VARIABLES[0], str(retries.stall_timeout_s))
+    os.environ.setdefault(STALL_VARIABLES[1], "1")
 
 
 def s3_request_retries() -> int:

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import tensorstore as ts
 
-from moc_lightning.storage.location import S3RetryConfig, local_path, open_kvstore, open_local_dir, s3_errors_named
+from moc_lightning.storage.location import (
+    S3RetryConfig,
+    apply_stall_timeout,
+    local_path,
+    open_kvstore,
+    open_local_dir,
+    s3_errors_named,
+)
 from moc_lightning.storage.objects import KvObjects, LocalObjects
 from moc_lightning.storage.zarr_dcp import TensorStoreReader, TensorStoreWriter
 
@@ -28,7 +35,10 @@ class TensorStoreStorage:
         self.url = local_root.as_uri() if local_root is not None else url
         # One context for the root and every array: shared I/O pools, the S3 retry bounds, and for memory:// one
         # shared store.
-        self.context = ts.Context((retries or S3RetryConfig()).context_spec())
+        retries = retries or S3RetryConfig()
+        if local_root is None:
+            apply_stall_timeout(retries)
+        self.context = ts.Context(retries.context_spec())
         self.endpoint = endpoint
         self.kvstore = open_kvstore(self.url, self.context, endpoint)
         self.objects = LocalObjects(local_root) if local_root is not None else KvObjects(self.kvstore)

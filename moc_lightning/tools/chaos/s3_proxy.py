@@ -8,6 +8,8 @@ network between do to a client:
 - ``delay``: the request forwarded after a pause (a slow store);
 - ``reset_upload``: half of the request's body read, then the connection reset (RST), nothing forwarded;
 - ``reset_read``: the server's answer sent up to half of its body, then the connection reset;
+- ``stall``: the request forwarded, then the connection silent for ``delay_s`` (after the answer's head and half its
+  body, where it has one), then reset: a store or a network that stops moving bytes mid-request;
 - ``expired``: ``400 ExpiredToken``, as for a session token past its expiry.
 
 A proxy given ``accepted_key_id`` answers ``403 InvalidAccessKeyId`` to a request signed with another access key id
@@ -29,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-FAULTS = ("status", "delay", "reset_upload", "reset_read", "expired")
+FAULTS = ("status", "delay", "reset_upload", "reset_read", "stall", "expired")
 """What a rule does to the requests it matches (module docstring)."""
 
 S3_ERRORS = {500: "InternalError", 503: "SlowDown"}
@@ -60,7 +62,8 @@ class FaultRule:
     status: int = 503
     """``status`` faults: the HTTP status (a key of :data:`S3_ERRORS`)."""
     delay_s: float = 0.5
-    """``delay`` faults: seconds before the request is forwarded."""
+    """``delay`` faults: seconds before the request is forwarded; ``stall`` faults: seconds the connection stays
+    silent before it is reset."""
     name: str = ""
     """What the rule is called in :attr:`S3FaultProxy.injections` (default: the fault's name)."""
     seen: int = field(default=0, init=False)
@@ -219,6 +222,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if rule is not None and rule.fault == "delay":
             time.sleep(rule.delay_s)
         status, reason, headers, answer = self._forward(body)
+        if rule is not None and rule.fault == "stall" and not answer:  # an upload's answer: held back whole
+            self._stall(rule.delay_s)
+            return
         self.send_response_only(status, reason)
         for name, value in headers:
             if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
@@ -230,6 +236,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.wfile.write(answer[: len(answer) // 2])
             time.sleep(0.05)  # let the client take the first half before the reset discards what is unsent
             self._reset()
+            return
+        if rule is not None and rule.fault == "stall":
+            self.wfile.write(answer[: len(answer) // 2])
+            self._stall(rule.delay_s)
             return
         if self.command != "HEAD":
             self.wfile.write(answer)
@@ -265,6 +275,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+    def _stall(self, seconds: float) -> None:
+        """Send nothing more for ``seconds``, then reset the connection (if the client has not given up on it)."""
+        self.wfile.flush()
+        time.sleep(seconds)
+        self._reset()
 
     def _reset(self) -> None:
         """Reset the client's connection (RST, not FIN): what a dropped connection looks like to it."""
