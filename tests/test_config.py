@@ -121,6 +121,7 @@ def test_wrong_type_is_rejected() -> None:
         (["checkpoint.storage.endpoint=http://127.0.0.1:9000"], "checkpoint.storage.endpoint='http://127.0.0.1:9000' is for an S3-compatible store: it needs checkpoint.storage.backend=tensorstore and checkpoint.storage.url=s3://BUCKET/path, not backend='filesystem' and url=''"),
         (["checkpoint.storage.backend=tensorstore", "checkpoint.storage.url=s3://b/run", "checkpoint.storage.endpoint=minio:9000"], "checkpoint.storage.endpoint='minio:9000' is not an endpoint; give http(s)://host[:port]"),
         (["checkpoint.storage.backend=tensorstore", "checkpoint.storage.url=s3://b/run", "checkpoint.storage.endpoint=http://minio:9000/s3"], "checkpoint.storage.endpoint='http://minio:9000/s3' is not an endpoint"),
+        (["checkpoint.storage.retries.stall_timeout_s=-1"], "checkpoint.storage.retries.stall_timeout_s=-1 is not allowed; give whole seconds >= 0 (0: no bound)"),
         (["checkpoint.every_n_train_steps=0"], "checkpoint.every_n_train_steps must be >= 1"),
         (["trainer.ep=3"], "trainer.ep=3 must divide the number of processes"),
         (["trainer.data_parallel=zero3"], "trainer.data_parallel='zero3' is not supported; choose one of: ddp, zero2, fsdp2, hsdp"),
