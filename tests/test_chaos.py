@@ -411,6 +411,10 @@ def test_s3_trials_draw_a_network_fault_beside_the_same_kills_and_refuse_replay(
             plan = FaultPlan.parse(fault.plan) if fault.plan else None
             if plan is not None and plan.phase in ("persist", "manifest_commit"):  # the first reached, not a step's
                 assert plan.step is None and plan.nth == 1 and plan.rank == FaultPlan.parse(local_fault.plan).rank
+            elif plan is not None and plan.incarnation == 1 and plan.phase == "train":  # soon after the resume
+                local_plan = FaultPlan.parse(local_fault.plan)
+                assert 1 <= plan.nth <= s3.every * s3.persist_every and plan.rank == local_plan.rank
+                assert plan.nth == 1 + (local_plan.nth - 1) % (s3.every * s3.persist_every)
             else:
                 assert fault == local_fault
     kinds = {draw_faults(random.Random(s), s3)[-1].label for s in range(200)}
