@@ -57,7 +57,8 @@ def draw_network_fault(rng: random.Random) -> dict[str, Any]:
         return {"fault": "delay", "match": "^(GET|PUT) ", "times": rng.randint(20, 100),
                 "delay_s": round(rng.uniform(0.2, 1.0), 2), "after": after, "name": kind}
     target = rng.choice((r"\.metadata", "moc\\.json", r"manifest\.json"))  # outage: one control object's writes
-    return {"fault": "status", "status": 503, "match": f"^PUT .*/{target}$", "after": rng.randrange(2),
+    at_start = 1 if target == r"manifest\.json" else 0  # the job's start writes the manifest: fail a persist's commit
+    return {"fault": "status", "status": 503, "match": f"^PUT .*/{target}$", "after": at_start + rng.randrange(2),
             "times": S3_RETRIES.max_retries + 1 + rng.randrange(3), "name": kind}
 
 
