@@ -148,3 +148,29 @@ def test_a_periodic_persist_plans_off_the_training_thread(zero: bool) -> None:
     assert final == {("write plan", True), ("ownership (write plan)", True)}
     owners = [c for c in periodic if c.what == "ownership (snapshot owners)"]
     assert len(owners) == (0 if zero else 2) and all(c.on_training_thread for c in owners), "ZeRO: a lookup"
+
+
+def test_the_global_plan_has_a_write_item_per_unit_or_cut_not_per_replica_of_every_expert() -> None:
+    """4,096 ranks, EP 64: each EP rank's 8 selected experts (one per layer) have 64 replicas. Every simulated rank's
+    local plan of its writes (the ZeRO write plan, one weight tensor per unit), then the coordinator's global plan:
+    at most a write item per unit plus one per replica of each set of holders (each cut of a run of experts adds one),
+    not one per (expert, replica). The plan still tiles every tensor (:func:`disjoint_global_plan` checks it).
+
+    Failed on 7def2ed: 33,116 items (each of the 512 experts split over all 64 of its replicas)."""
+    topology = Topology(4096, 64)
+    units = _moe_units(topology, layers=8, experts=64)
+    states = [(i % topology.world_size, 1000) for i in range(len(units))]
+    forget_plans()
+    ownership = zero_weights_ownership(units, states, topology, "adaptive")
+    tensors = {unit.key: torch.empty(unit.rows, 2, device="meta") for unit in units}
+    plans = []
+    for rank in topology.ranks():
+        writes = {unit.key: (shard.row_start, shard.row_stop) for unit, shard in ownership.writes_of(rank)}
+        planner = MoCSavePlanner(writes)
+        planner.set_up_planner({key: tensors[key] for key in writes}, is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan())
+    forget_plans()
+    global_plans, metadata = disjoint_global_plan(plans)
+    items = sum(len(plan.items) for plan in global_plans)
+    assert items <= len(units) + topology.world_size, f"{items:,} write items for {len(units)} units"
+    assert sum(len(stored.chunks) for stored in metadata.state_dict_metadata.values()) == items
