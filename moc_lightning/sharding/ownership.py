@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -147,6 +148,123 @@ class Shard:
         return self.row_stop - self.row_start
 
 
+Holders = tuple[int, ...] | range
+"""The ranks holding a replica of a unit, ascending."""
+
+
+@dataclass(frozen=True)
+class SplitRun:
+    """The units of one set of holders laid end to end, in unit order, and cut into one equal range per holder.
+
+    This is how ``equal`` and ``adaptive`` split the experts (section 4.1's equal expert sharding, the goal being
+    equal bytes per replica): the experts an EP rank holds share their holders, its replicas, so their rows form one
+    run, whose ``total`` bytes are cut at ``piece * total // replicas``, each cut moved down to a whole row of the
+    unit it falls in. Replica ``piece`` writes whatever lies between its two cuts: a few whole experts and at most two
+    partial ones, each a single row range, within one row of ``total / replicas`` bytes. Splitting every expert over
+    every replica instead would balance as well but give each (expert, replica) pair its own write item: at 16,384
+    ranks a DeepSeek-V3-shaped checkpoint's 14,848 experts each had 256 replicas, 11.4 M chunks for the coordinator
+    to plan and ``.metadata`` to record; cut as one run, an EP rank's experts and replicas add up instead
+    (units + replicas pieces). With one unit, or one replica, it is the paper's figure: an expert halved over two
+    replicas, or whole. A row counts ``row_bytes`` (at least 1, so that weightless rows are spread too).
+
+    Where the cuts fall depends only on the units, so every rank finds the same ones, and a checkpoint records its
+    chunks in DCP's metadata: loading, resharding and consolidation read them from there, whichever way they were cut.
+    """
+
+    holders: Holders
+    indices: tuple[int, ...]
+    """Each unit's position among the ownership's units."""
+    units: tuple[ShardingUnit, ...]
+    starts: tuple[int, ...]
+    """Where each unit begins in the run, in row-weighted bytes; ``starts[-1]`` is the run's total."""
+    bytes_before: tuple[int, ...]
+    """Bytes of the units before each one (``starts`` with each row its own ``row_bytes``, even 0)."""
+
+    @classmethod
+    def of(cls, holders: Holders, members: Sequence[tuple[int, ShardingUnit]]) -> SplitRun:
+        """The run of ``members`` ((position, unit) pairs, in order), all held by ``holders``."""
+        units = tuple(u for _, u in members)
+        starts = itertools.accumulate((u.rows * max(1, u.row_bytes) for u in units), initial=0)
+        before = itertools.accumulate((u.nbytes for u in units), initial=0)
+        return cls(holders, tuple(i for i, _ in members), units, tuple(starts), tuple(before))
+
+    @property
+    def total(self) -> int:
+        return self.starts[-1]
+
+    def piece_shards(self, piece: int) -> list[tuple[int, Shard]]:
+        """(position in the run, shard) of everything replica number ``piece`` writes; the first replica also takes
+        a unit of no rows (an empty shard, so that it has a writer). O(log units + its shards)."""
+        rank = self.holders[piece]
+        mine = [(j, Shard(rank, 0, 0)) for j, unit in enumerate(self.units) if unit.rows == 0] if piece == 0 else []
+        return mine + [(j, Shard(rank, start, stop)) for j, start, stop in self._piece_rows(piece)]
+
+    def unit_shards(self, j: int) -> tuple[Shard, ...]:
+        """The shards of the run's unit number ``j``, by consecutive replicas: O(its shards)."""
+        unit = self.units[j]
+        if unit.rows == 0:
+            return (Shard(self.holders[0], 0, 0),)
+        first, last = self._piece_at(self.starts[j]), self._piece_at(self.starts[j + 1] - 1)
+        shards = []
+        for piece in range(first, last + 1):
+            start, stop = self._row(j, self._cut(piece)), self._row(j, self._cut(piece + 1))
+            if stop > start:
+                shards.append(Shard(self.holders[piece], start, stop))
+        return tuple(shards)
+
+    def add_loads(self, loads: list[int]) -> None:
+        """Add the bytes each holder writes of the run to ``loads`` (by rank): the bytes between the row boundaries
+        of its two cuts, walking cuts and units together. O(replicas + units)."""
+        j, before, last = 0, 0, len(self.units) - 1
+        starts, total, count = self.starts, self.total, len(self.holders)
+        for piece, rank in enumerate(self.holders):
+            cut = (piece + 1) * total // count  # _cut(piece + 1), in the loop that a plan runs once per replica
+            while j < last and starts[j + 1] <= cut:  # the last unit that starts at or before the cut
+                j += 1
+            after = self.bytes_before[j] + self._row(j, cut) * self.units[j].row_bytes
+            loads[rank] += after - before
+            before = after
+
+    def _piece_rows(self, piece: int) -> Iterator[tuple[int, int, int]]:
+        """(position in the run, first row, stop row) of each unit replica number ``piece`` writes rows of."""
+        low, high = self._cut(piece), self._cut(piece + 1)
+        j = max(0, bisect.bisect_right(self.starts, low) - 1)
+        while j < len(self.units) and self.starts[j] < high:
+            start, stop = self._row(j, low), self._row(j, high)
+            if stop > start:
+                yield j, start, stop
+            j += 1
+
+    def _cut(self, piece: int) -> int:
+        return piece * self.total // len(self.holders)
+
+    def _piece_at(self, position: int) -> int:
+        """The replica whose range holds ``position`` (in ``[0, total)``): the last with ``_cut(piece) <= position``."""
+        return min(len(self.holders) - 1, ((position + 1) * len(self.holders) - 1) // self.total)
+
+    def _row(self, j: int, position: int) -> int:
+        """The row boundary of unit ``j`` at or below ``position``, clamped to the unit."""
+        unit = self.units[j]
+        return min(unit.rows, max(0, (position - self.starts[j]) // max(1, unit.row_bytes)))
+
+
+def split_runs(units: Iterable[tuple[int, ShardingUnit]]) -> list[SplitRun]:
+    """The :class:`SplitRun` of each set of holders among ``units`` ((position, unit) pairs), in first-seen order."""
+    groups: dict[Holders, list[tuple[int, ShardingUnit]]] = {}
+    for index, unit in units:
+        groups.setdefault(unit.holders, []).append((index, unit))
+    return [SplitRun.of(holders, members) for holders, members in groups.items()]
+
+
+def split_loads(units: Iterable[ShardingUnit], world_size: int) -> list[int]:
+    """Bytes each rank writes of ``units`` cut as runs over their holders (:class:`SplitRun`), in the given order.
+    O(units + ranks x log units) for units of few sets of holders (the experts of an EP rank share theirs)."""
+    loads = [0] * world_size
+    for run in split_runs(enumerate(units)):
+        run.add_loads(loads)
+    return loads
+
+
 @dataclass(frozen=True)
 class Ownership:
     """Who writes what: for every unit, shards that cover its rows exactly once, each by one of its holders."""
@@ -158,6 +276,8 @@ class Ownership:
     """``placed[i]``: the shards of ``units[i]`` where they were placed (dense units; every unit under ``rank0`` and
     ``dcp_default``); ``None``: cut with the other units of its holders as one run (:class:`SplitRun`, the experts
     under ``equal`` and ``adaptive``), derived where asked, so that no rank builds every replica's shards."""
+    runs: tuple[SplitRun, ...]
+    """The runs of the units ``placed`` leaves to the split, one per set of holders."""
     rank_bytes: tuple[int, ...]
     """Bytes each rank writes."""
     _writes: dict[int, tuple[tuple[ShardingUnit, Shard], ...]] = field(
@@ -211,14 +331,9 @@ class Ownership:
         return run.unit_shards(j)
 
     @cached_property
-    def _runs(self) -> list[SplitRun]:
-        """The runs of the units left to the split (``placed[i] is None``), one per set of holders: O(units)."""
-        return split_runs((i, unit) for i, (unit, placed) in enumerate(zip(self.units, self.placed)) if placed is None)
-
-    @cached_property
     def _run_of(self) -> dict[int, tuple[SplitRun, int]]:
         """Unit index -> its run and its position there."""
-        return {index: (run, j) for run in self._runs for j, index in enumerate(run.indices)}
+        return {index: (run, j) for run in self.runs for j, index in enumerate(run.indices)}
 
     @cached_property
     def _index_of_key(self) -> dict[str, int]:
@@ -237,7 +352,7 @@ class Ownership:
     def _writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
         """The rank's piece of each run it holds and its placed shards from the index, merged into unit order."""
         mine = list(self._placed_by_rank.get(rank, ()))
-        for run in self._runs:
+        for run in self.runs:
             if rank in run.holders:
                 mine += [(run.indices[j], shard) for j, shard in run.piece_shards(run.holders.index(rank))]
         mine.sort(key=lambda pair: pair[0])
@@ -251,113 +366,6 @@ over its holders, :class:`SplitRun`, is left out)."""
 
 def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
     return (Shard(rank, 0, unit.rows),)
-
-
-Holders = tuple[int, ...] | range
-"""The ranks holding a replica of a unit, ascending."""
-
-
-@dataclass(frozen=True)
-class SplitRun:
-    """The units of one set of holders laid end to end, in unit order, and cut into one equal range per holder.
-
-    This is how ``equal`` and ``adaptive`` split the experts (section 4.1's equal expert sharding, the goal being
-    equal bytes per replica): the experts an EP rank holds share their holders, its replicas, so their rows form one
-    run, whose ``total`` bytes are cut at ``piece * total // replicas``, each cut moved down to a whole row of the
-    unit it falls in. Replica ``piece`` writes whatever lies between its two cuts: a few whole experts and at most two
-    partial ones, each a single row range, within one row of ``total / replicas`` bytes. Splitting every expert over
-    every replica instead would balance as well but give each (expert, replica) pair its own write item: at 16,384
-    ranks a DeepSeek-V3-shaped checkpoint's 14,848 experts each had 256 replicas, 11.4 M chunks for the coordinator
-    to plan and ``.metadata`` to record; cut as one run, an EP rank's experts and replicas add up instead
-    (units + replicas pieces). With one unit, or one replica, it is the paper's figure: an expert halved over two
-    replicas, or whole. A row counts ``row_bytes`` (at least 1, so that weightless rows are spread too).
-
-    Where the cuts fall depends only on the units, so every rank finds the same ones, and a checkpoint records its
-    chunks in DCP's metadata: loading, resharding and consolidation read them from there, whichever way they were cut.
-    """
-
-    holders: Holders
-    indices: tuple[int, ...]
-    """Each unit's position among the ownership's units."""
-    units: tuple[ShardingUnit, ...]
-    starts: tuple[int, ...]
-    """Where each unit begins in the run, in row-weighted bytes; ``starts[-1]`` is the run's total."""
-
-    @classmethod
-    def of(cls, holders: Holders, members: Sequence[tuple[int, ShardingUnit]]) -> SplitRun:
-        """The run of ``members`` ((position, unit) pairs, in order), all held by ``holders``."""
-        starts = [0]
-        for _, unit in members:
-            starts.append(starts[-1] + unit.rows * max(1, unit.row_bytes))
-        return cls(holders, tuple(i for i, _ in members), tuple(u for _, u in members), tuple(starts))
-
-    @property
-    def total(self) -> int:
-        return self.starts[-1]
-
-    def piece_shards(self, piece: int) -> list[tuple[int, Shard]]:
-        """(position in the run, shard) of everything replica number ``piece`` writes; the first replica also takes
-        a unit of no rows (an empty shard, so that it has a writer). O(log units + its shards)."""
-        rank = self.holders[piece]
-        mine = [(j, Shard(rank, 0, 0)) for j, unit in enumerate(self.units) if unit.rows == 0] if piece == 0 else []
-        return mine + [(j, Shard(rank, start, stop)) for j, start, stop in self._piece_rows(piece)]
-
-    def unit_shards(self, j: int) -> tuple[Shard, ...]:
-        """The shards of the run's unit number ``j``, by consecutive replicas: O(its shards)."""
-        unit = self.units[j]
-        if unit.rows == 0:
-            return (Shard(self.holders[0], 0, 0),)
-        first, last = self._piece_at(self.starts[j]), self._piece_at(self.starts[j + 1] - 1)
-        shards = []
-        for piece in range(first, last + 1):
-            start, stop = self._row(j, self._cut(piece)), self._row(j, self._cut(piece + 1))
-            if stop > start:
-                shards.append(Shard(self.holders[piece], start, stop))
-        return tuple(shards)
-
-    def add_loads(self, loads: list[int]) -> None:
-        """Add the bytes each holder writes of the run to ``loads`` (by rank). O(replicas x log units + units)."""
-        for piece, rank in enumerate(self.holders):
-            loads[rank] += sum((stop - start) * self.units[j].row_bytes for j, start, stop in self._piece_rows(piece))
-
-    def _piece_rows(self, piece: int) -> Iterator[tuple[int, int, int]]:
-        """(position in the run, first row, stop row) of each unit replica number ``piece`` writes rows of."""
-        low, high = self._cut(piece), self._cut(piece + 1)
-        j = max(0, bisect.bisect_right(self.starts, low) - 1)
-        while j < len(self.units) and self.starts[j] < high:
-            start, stop = self._row(j, low), self._row(j, high)
-            if stop > start:
-                yield j, start, stop
-            j += 1
-
-    def _cut(self, piece: int) -> int:
-        return piece * self.total // len(self.holders)
-
-    def _piece_at(self, position: int) -> int:
-        """The replica whose range holds ``position`` (in ``[0, total)``): the last with ``_cut(piece) <= position``."""
-        return min(len(self.holders) - 1, ((position + 1) * len(self.holders) - 1) // self.total)
-
-    def _row(self, j: int, position: int) -> int:
-        """The row boundary of unit ``j`` at or below ``position``, clamped to the unit."""
-        unit = self.units[j]
-        return min(unit.rows, max(0, (position - self.starts[j]) // max(1, unit.row_bytes)))
-
-
-def split_runs(units: Iterable[tuple[int, ShardingUnit]]) -> list[SplitRun]:
-    """The :class:`SplitRun` of each set of holders among ``units`` ((position, unit) pairs), in first-seen order."""
-    groups: dict[Holders, list[tuple[int, ShardingUnit]]] = {}
-    for index, unit in units:
-        groups.setdefault(unit.holders, []).append((index, unit))
-    return [SplitRun.of(holders, members) for holders, members in groups.items()]
-
-
-def split_loads(units: Iterable[ShardingUnit], world_size: int) -> list[int]:
-    """Bytes each rank writes of ``units`` cut as runs over their holders (:class:`SplitRun`), in the given order.
-    O(units + ranks x log units) for units of few sets of holders (the experts of an EP rank share theirs)."""
-    loads = [0] * world_size
-    for run in split_runs(enumerate(units)):
-        run.add_loads(loads)
-    return loads
 
 
 def _rank_bytes(units: Sequence[ShardingUnit], assignment: Assignment, world_size: int) -> list[int]:
@@ -525,17 +533,18 @@ def _ownership(
     strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment
 ) -> Ownership:
     """The ownership of ``units`` from the placed ones' shards; every unit ``assignment`` leaves out is an expert
-    cut with the others of its holders (:class:`SplitRun`), whose bytes :func:`split_loads` counts."""
-    split = [unit for i, unit in enumerate(units) if i not in assignment]
-    assert all(unit.kind == "expert" for unit in split), "only experts are cut as runs implicitly"
-    loads = split_loads(split, topology.world_size)
-    for rank, placed in enumerate(_rank_bytes(units, assignment, topology.world_size)):
-        loads[rank] += placed
+    cut with the others of its holders (:class:`SplitRun`)."""
+    runs = tuple(split_runs((i, unit) for i, unit in enumerate(units) if i not in assignment))
+    assert all(unit.kind == "expert" for run in runs for unit in run.units), "only experts are cut as runs implicitly"
+    loads = _rank_bytes(units, assignment, topology.world_size)
+    for run in runs:
+        run.add_loads(loads)
     return Ownership(
         strategy=strategy,
         topology=topology,
         units=units,
         placed=tuple(assignment.get(i) for i in range(len(units))),
+        runs=runs,
         rank_bytes=tuple(loads),
     )
 
