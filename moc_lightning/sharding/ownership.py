@@ -43,7 +43,7 @@ GPT-350M-16E at DP=EP=16, K=1, 4, 7, 8 or 16 equal blocks of the embedding leave
 Cost at scale (DESIGN.md, Scale). The experts' split is a pure function of their sizes, so an ``Ownership`` keeps
 it implicit (``placed[i] is None``) and derives a shard where it is asked for: one rank's ``writes_of`` costs
 O(units) (its piece of each run found by bisection), and the per-rank expert bytes the placement needs come from
-walking each run's cuts once, O(units + ranks x log units). Only the dense units are placed explicitly, in
+walking each run's cuts and units together, O(units + ranks). Only the dense units are placed explicitly, in
 O(ranks + dense units x log ranks). So a plan costs O(units + ranks), never O(units x ranks). Cutting runs rather
 than each expert also keeps the *checkpoint* O(units + ranks): every shard is a DCP write item and a chunk in
 ``.metadata``, and at 16,384 ranks each DeepSeek-V3 expert has 256 replicas, 11.4 M chunks split one by one, which
@@ -194,9 +194,9 @@ class SplitRun:
 
     def piece_shards(self, piece: int) -> list[tuple[int, Shard]]:
         """(position in the run, shard) of everything replica number ``piece`` writes; the first replica also takes
-        a unit of no rows (an empty shard, so that it has a writer). O(log units + its shards)."""
+        each unit of no rows (an empty shard, so that it has a writer). O(log units + its shards)."""
         rank = self.holders[piece]
-        mine = [(j, Shard(rank, 0, 0)) for j, unit in enumerate(self.units) if unit.rows == 0] if piece == 0 else []
+        mine = [(j, Shard(rank, 0, 0)) for j in self._empty] if piece == 0 else []
         return mine + [(j, Shard(rank, start, stop)) for j, start, stop in self._piece_rows(piece)]
 
     def unit_shards(self, j: int) -> tuple[Shard, ...]:
@@ -235,6 +235,11 @@ class SplitRun:
                 yield j, start, stop
             j += 1
 
+    @cached_property
+    def _empty(self) -> tuple[int, ...]:
+        """Positions of the units of no rows."""
+        return tuple(j for j, unit in enumerate(self.units) if unit.rows == 0)
+
     def _cut(self, piece: int) -> int:
         return piece * self.total // len(self.holders)
 
@@ -258,7 +263,7 @@ def split_runs(units: Iterable[tuple[int, ShardingUnit]]) -> list[SplitRun]:
 
 def split_loads(units: Iterable[ShardingUnit], world_size: int) -> list[int]:
     """Bytes each rank writes of ``units`` cut as runs over their holders (:class:`SplitRun`), in the given order.
-    O(units + ranks x log units) for units of few sets of holders (the experts of an EP rank share theirs)."""
+    O(units + holders of each set): O(units + ranks) for the experts, whose EP rank's replicas are their holders."""
     loads = [0] * world_size
     for run in split_runs(enumerate(units)):
         run.add_loads(loads)
