@@ -71,7 +71,8 @@ def test_a_rank_plans_its_writes_without_a_shard_per_replica_of_every_expert() -
     for unit, shard in everyone:
         loads[shard.rank] += shard.rows * unit.row_bytes
     assert list(ownership.rank_bytes) == loads
-    assert sum(1 for unit, _ in mine if unit.kind == "expert") == 8, "its EP rank's expert of each layer"
+    run = 8 * 112 * 96  # its EP rank's expert of each layer, cut into 64 equal pieces, one per replica
+    assert sum(shard.rows * unit.row_bytes for unit, shard in mine if unit.kind == "expert") == run // 64
 
 
 def _local_plans(
@@ -148,3 +149,35 @@ def test_a_periodic_persist_plans_off_the_training_thread(zero: bool) -> None:
     assert final == {("write plan", True), ("ownership (write plan)", True)}
     owners = [c for c in periodic if c.what == "ownership (snapshot owners)"]
     assert len(owners) == (0 if zero else 2) and all(c.on_training_thread for c in owners), "ZeRO: a lookup"
+
+
+KINDS = ("expert", "dense")
+
+
+def test_the_global_plan_has_a_write_item_per_unit_or_cut_not_per_replica_of_every_expert() -> None:
+    """4,096 ranks, EP 64: each EP rank's 8 selected experts (one per layer) have 64 replicas. Every simulated rank's
+    local plan of its writes (the ZeRO write plan, one weight tensor per unit), then the coordinator's global plan:
+    the experts' items are at most one per expert plus one per rank (an EP rank's experts cut as one run over its
+    replicas: each cut adds one), not one per (expert, replica); the dense units' at most one per unit plus one per
+    rank (the embedding poured in blocks). The plan still tiles every tensor (:func:`disjoint_global_plan` checks it).
+
+    Failed on 7def2ed: 33,116 items (32,768 of them the 512 experts, each split over all 64 of its replicas)."""
+    topology = Topology(4096, 64)
+    units = _moe_units(topology, layers=8, experts=64)
+    states = [(i % topology.world_size, 1000) for i in range(len(units))]
+    forget_plans()
+    ownership = zero_weights_ownership(units, states, topology, "adaptive")
+    tensors = {unit.key: torch.empty(unit.rows, 2, device="meta") for unit in units}
+    plans = []
+    for rank in topology.ranks():
+        writes = {unit.key: (shard.row_start, shard.row_stop) for unit, shard in ownership.writes_of(rank)}
+        planner = MoCSavePlanner(writes)
+        planner.set_up_planner({key: tensors[key] for key in writes}, is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan())
+    forget_plans()
+    global_plans, metadata = disjoint_global_plan(plans)
+    items = {kind: sum(1 for p in global_plans for i in p.items if i.index.fqn.startswith(kind)) for kind in KINDS}
+    for kind, count in items.items():
+        kind_units = sum(1 for unit in units if unit.kind == kind)
+        assert count <= kind_units + topology.world_size, f"{count:,} write items for {kind_units} {kind} units"
+    assert sum(len(stored.chunks) for stored in metadata.state_dict_metadata.values()) == sum(items.values())

@@ -8,11 +8,13 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from test_checkpointer import check_round_trip
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainee import Trainee, every_step_config, load_fresh, train_and_checkpoint
 
 from moc_lightning.engine.units import parse_unit
 from moc_lightning.export.consolidate import OPTIMIZER_KEY, consolidate
 from moc_lightning.models import ExpertParallelTopology
+from moc_lightning.storage import make_storage
 
 pytestmark = pytest.mark.xdist_group("resharding")  # one pytest-xdist worker writes the module's checkpoints once
 
@@ -48,6 +50,24 @@ def test_load_under_another_topology(
         check_round_trip(written | result)
     experts = {parse_unit(k).key for r in loaded for k in r["loaded"] if k.startswith("expert/")}
     assert len(experts) == 2 * 8, "every expert of both MoE layers is restored somewhere"
+
+
+@pytest.mark.slow
+def test_each_replica_writes_whole_experts_of_its_ep_ranks_run(written_by_4_ranks_ep2: tuple[str, dict]) -> None:
+    """4 ranks, EP 2: each checkpoint saves 4 of an EP rank's 8 experts, each replicated on 2 ranks. Cut as one run of
+    equal experts (:class:`~moc_lightning.sharding.ownership.SplitRun`), they go whole, half of them to each replica:
+    every expert tensor is one chunk in ``.metadata`` (split over both replicas, each would be two). The loads above
+    read these checkpoints back bitwise under other topologies.
+
+    Failed on 7def2ed: every expert tensor but the scalar steps in two chunks."""
+    url, written = written_by_4_ranks_ep2
+    storage = make_storage(written["backend"], url)
+    for step in (2, 4):
+        stored = storage.reader(f"step_{step:09d}").read_metadata().state_dict_metadata
+        experts = {k: m for k, m in stored.items() if k.startswith("expert/")}
+        chunks = {k: len(m.chunks) for k, m in experts.items() if isinstance(m, TensorStorageMetadata)}
+        assert len({parse_unit(k).key for k in chunks}) == 2 * 4, "4 experts of each MoE layer saved"
+        assert set(chunks.values()) == {1}, {k: n for k, n in chunks.items() if n > 1}
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,28 @@ def dense_bytes(units: tuple[ShardingUnit, ...]) -> int:
     return sum(unit.nbytes for unit in units if unit.kind == "dense")
 
 
+def check_runs(ownership: Ownership) -> None:
+    """The experts of each set of holders, in unit order, are one run cut into one contiguous piece per holder: the
+    holders' pieces follow each other along the run (so each unit's shards go to consecutive holders, ascending), each
+    within one row of an equal share of the run's bytes (rows weigh ``max(1, row_bytes)``), and a run has at most one
+    shard per unit plus one per cut."""
+    runs: dict[tuple[int, ...], list[tuple[ShardingUnit, tuple[Shard, ...]]]] = {}
+    for unit, shards in zip(ownership.units, ownership.shards):
+        if unit.kind == "expert":
+            runs.setdefault(tuple(unit.holders), []).append((unit, shards))
+    for holders, run in runs.items():
+        along = [(holders.index(s.rank), j, s.row_start) for j, (u, shards) in enumerate(run) if u.rows for s in shards]
+        assert along == sorted(along), "each holder's piece is one stretch of the run, in holder order"
+        assert len(along) <= sum(1 for u, _ in run if u.rows) + len(holders) - 1
+        weighted = [0] * len(holders)
+        for unit, shards in run:
+            for shard in shards:
+                weighted[holders.index(shard.rank)] += shard.rows * max(1, unit.row_bytes)
+        share = sum(weighted) / len(holders)
+        heaviest_row = max(max(1, unit.row_bytes) for unit, _ in run)
+        assert all(abs(piece - share) < heaviest_row + 1 for piece in weighted), (weighted, share)
+
+
 @settings(max_examples=60, deadline=None)
 @given(layouts(), st.sampled_from(["equal", "adaptive"]))
 def test_equal_and_adaptive_split_experts_evenly_and_bound_the_busiest_rank(
@@ -112,11 +134,9 @@ def test_equal_and_adaptive_split_experts_evenly_and_bound_the_busiest_rank(
 ) -> None:
     units, topology = layout
     ownership = compute_ownership(units, topology, strategy)
+    check_runs(ownership)
     for unit, shards in zip(units, ownership.shards):
-        if unit.kind == "expert" and unit.rows >= len(unit.holders):
-            assert [shard.rank for shard in shards] == list(unit.holders)
-            assert max(s.rows for s in shards) - min(s.rows for s in shards) <= 1
-        elif unit.kind == "dense" and unit.nbytes * topology.world_size <= dense_bytes(units):
+        if unit.kind == "dense" and unit.nbytes * topology.world_size <= dense_bytes(units):
             assert len(shards) == 1  # fits in the dense share: layer granularity
     dense = [unit.nbytes for unit in units if unit.kind == "dense"]
     largest = max(dense, default=0)
@@ -314,3 +334,21 @@ def test_report_writes_the_required_json(tmp_path: Path) -> None:
     }
     assert {"busiest_bytes", "weight_bytes", "optimizer_bytes", "reduction_vs_deepspeed"} <= zero2["rows"][0].keys()
     assert [paper.get("high") for paper in zero2["paper"]] == [0.28, 0.29, 0.061, None]
+
+
+def test_an_ep_ranks_experts_are_cut_as_one_run_over_its_replicas() -> None:
+    """EP rank 0 holds experts 0 (10 rows) and 1 (6 rows), replicated on ranks 0 and 2: their 16 rows are cut at 8, so
+    rank 0 writes 8 rows of expert 0 and rank 2 the rest of it and expert 1 whole (three shards, not four). EP rank 1's
+    one expert is halved over ranks 1 and 3, as in the paper's Figure 7."""
+    topology = Topology(world_size=4, ep=2)
+    sizes = {0: 10, 1: 6, 2: 7}
+    units = [
+        ShardingUnit(f"expert(0, {e})", "expert", rows, 1, topology.replicas(e // 2), layer=0, expert=e)
+        for e, rows in sizes.items()
+    ]
+    for strategy in ("equal", "adaptive"):
+        ownership = compute_ownership(units, topology, strategy)
+        expected = ((Shard(0, 0, 8), Shard(2, 8, 10)), (Shard(2, 0, 6),), (Shard(1, 0, 3), Shard(3, 3, 7)))
+        assert ownership.shards == expected
+        assert ownership.rank_bytes == (8, 3, 8, 4)
+        assert [s for _, s in ownership.writes_of(2)] == [Shard(2, 8, 10), Shard(2, 0, 6)]

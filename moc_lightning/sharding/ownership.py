@@ -9,7 +9,8 @@ checkpoints.
 
 Strategies (``STRATEGIES``):
 
-- ``equal``: each expert is split into equal row ranges over its replicas (section 4.1); dense units are
+- ``equal``: the experts are split equally over their replicas (section 4.1): the selected experts one EP rank
+  holds, laid end to end, are cut into one equal byte range per replica (:class:`SplitRun`); dense units are
   placed at layer granularity (section 4.2), oversized ones in row blocks (below), onto the ranks with the
   fewest dense bytes, ignoring experts, so the dense pattern never depends on the selection.
 - ``adaptive``: experts as in ``equal``; dense units as in ``equal`` but onto the ranks with the fewest
@@ -39,20 +40,22 @@ as the gaps need. Equal-size blocks placed among the whole units level those gap
 GPT-350M-16E at DP=EP=16, K=1, 4, 7, 8 or 16 equal blocks of the embedding leave the busiest rank at
 1.13, 1.09, 1.04 or 1.09x the ideal; pouring reaches 1.00x.
 
-Cost at scale (DESIGN.md, Scale). An expert's equal split over its replicas is closed-form, so an
-``Ownership`` keeps it implicit (``placed[i] is None``) and derives a shard where it is asked for: one rank's
-``writes_of`` costs O(units), and the per-rank expert bytes the placement needs come from the split's pattern,
-summed once per (holders, rows) group of experts, O(units + ranks x distinct expert row counts). Only the dense
-units are placed explicitly, in O(ranks + dense units x log ranks). So a plan costs O(units + ranks), never
-O(units x ranks): at 16,384 ranks each DeepSeek-V3 expert has 256 replicas, and materializing every replica's
-shard of every expert (what ``shards`` still does, for reports and tests that ask for all of them) took seconds
-and hundreds of MB on each rank.
+Cost at scale (DESIGN.md, Scale). The experts' split is a pure function of their sizes, so an ``Ownership`` keeps
+it implicit (``placed[i] is None``) and derives a shard where it is asked for: one rank's ``writes_of`` costs
+O(units) (its piece of each run found by bisection), and the per-rank expert bytes the placement needs come from
+walking each run's cuts and units together, O(units + ranks). Only the dense units are placed explicitly, in
+O(ranks + dense units x log ranks). So a plan costs O(units + ranks), never O(units x ranks). Cutting runs rather
+than each expert also keeps the *checkpoint* O(units + ranks): every shard is a DCP write item and a chunk in
+``.metadata``, and at 16,384 ranks each DeepSeek-V3 expert has 256 replicas, 11.4 M chunks split one by one, which
+the coordinator plans and records in one process (the scale report's ``coordinator_plan_s``).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal
@@ -145,6 +148,128 @@ class Shard:
         return self.row_stop - self.row_start
 
 
+Holders = tuple[int, ...] | range
+"""The ranks holding a replica of a unit, ascending."""
+
+
+@dataclass(frozen=True)
+class SplitRun:
+    """The units of one set of holders laid end to end, in unit order, and cut into one equal range per holder.
+
+    This is how ``equal`` and ``adaptive`` split the experts (section 4.1's equal expert sharding, the goal being
+    equal bytes per replica): the experts an EP rank holds share their holders, its replicas, so their rows form one
+    run, whose ``total`` bytes are cut at ``piece * total // replicas``, each cut moved down to a whole row of the
+    unit it falls in. Replica ``piece`` writes whatever lies between its two cuts: a few whole experts and at most two
+    partial ones, each a single row range, within one row of ``total / replicas`` bytes. Splitting every expert over
+    every replica instead would balance as well but give each (expert, replica) pair its own write item: at 16,384
+    ranks a DeepSeek-V3-shaped checkpoint's 14,848 experts each had 256 replicas, 11.4 M chunks for the coordinator
+    to plan and ``.metadata`` to record; cut as one run, an EP rank's experts and replicas add up instead
+    (units + replicas pieces). With one unit, or one replica, it is the paper's figure: an expert halved over two
+    replicas, or whole. A row counts ``row_bytes`` (at least 1, so that weightless rows are spread too).
+
+    Where the cuts fall depends only on the units, so every rank finds the same ones, and a checkpoint records its
+    chunks in DCP's metadata: loading, resharding and consolidation read them from there, whichever way they were cut.
+    """
+
+    holders: Holders
+    indices: tuple[int, ...]
+    """Each unit's position among the ownership's units."""
+    units: tuple[ShardingUnit, ...]
+    starts: tuple[int, ...]
+    """Where each unit begins in the run, in row-weighted bytes; ``starts[-1]`` is the run's total."""
+    bytes_before: tuple[int, ...]
+    """Bytes of the units before each one (``starts`` with each row its own ``row_bytes``, even 0)."""
+
+    @classmethod
+    def of(cls, holders: Holders, members: Sequence[tuple[int, ShardingUnit]]) -> SplitRun:
+        """The run of ``members`` ((position, unit) pairs, in order), all held by ``holders``."""
+        units = tuple(u for _, u in members)
+        starts = itertools.accumulate((u.rows * max(1, u.row_bytes) for u in units), initial=0)
+        before = itertools.accumulate((u.nbytes for u in units), initial=0)
+        return cls(holders, tuple(i for i, _ in members), units, tuple(starts), tuple(before))
+
+    @property
+    def total(self) -> int:
+        return self.starts[-1]
+
+    def piece_shards(self, piece: int) -> list[tuple[int, Shard]]:
+        """(position in the run, shard) of everything replica number ``piece`` writes; the first replica also takes
+        each unit of no rows (an empty shard, so that it has a writer). O(log units + its shards)."""
+        rank = self.holders[piece]
+        mine = [(j, Shard(rank, 0, 0)) for j in self._empty] if piece == 0 else []
+        return mine + [(j, Shard(rank, start, stop)) for j, start, stop in self._piece_rows(piece)]
+
+    def unit_shards(self, j: int) -> tuple[Shard, ...]:
+        """The shards of the run's unit number ``j``, by consecutive replicas: O(its shards)."""
+        unit = self.units[j]
+        if unit.rows == 0:
+            return (Shard(self.holders[0], 0, 0),)
+        first, last = self._piece_at(self.starts[j]), self._piece_at(self.starts[j + 1] - 1)
+        shards = []
+        for piece in range(first, last + 1):
+            start, stop = self._row(j, self._cut(piece)), self._row(j, self._cut(piece + 1))
+            if stop > start:
+                shards.append(Shard(self.holders[piece], start, stop))
+        return tuple(shards)
+
+    def add_loads(self, loads: list[int]) -> None:
+        """Add the bytes each holder writes of the run to ``loads`` (by rank): the bytes between the row boundaries
+        of its two cuts, walking cuts and units together. O(replicas + units)."""
+        j, before, last = 0, 0, len(self.units) - 1
+        starts, total, count = self.starts, self.total, len(self.holders)
+        for piece, rank in enumerate(self.holders):
+            cut = (piece + 1) * total // count  # _cut(piece + 1), in the loop that a plan runs once per replica
+            while j < last and starts[j + 1] <= cut:  # the last unit that starts at or before the cut
+                j += 1
+            after = self.bytes_before[j] + self._row(j, cut) * self.units[j].row_bytes
+            loads[rank] += after - before
+            before = after
+
+    def _piece_rows(self, piece: int) -> Iterator[tuple[int, int, int]]:
+        """(position in the run, first row, stop row) of each unit replica number ``piece`` writes rows of."""
+        low, high = self._cut(piece), self._cut(piece + 1)
+        j = max(0, bisect.bisect_right(self.starts, low) - 1)
+        while j < len(self.units) and self.starts[j] < high:
+            start, stop = self._row(j, low), self._row(j, high)
+            if stop > start:
+                yield j, start, stop
+            j += 1
+
+    @cached_property
+    def _empty(self) -> tuple[int, ...]:
+        """Positions of the units of no rows."""
+        return tuple(j for j, unit in enumerate(self.units) if unit.rows == 0)
+
+    def _cut(self, piece: int) -> int:
+        return piece * self.total // len(self.holders)
+
+    def _piece_at(self, position: int) -> int:
+        """The replica whose range holds ``position`` (in ``[0, total)``): the last with ``_cut(piece) <= position``."""
+        return min(len(self.holders) - 1, ((position + 1) * len(self.holders) - 1) // self.total)
+
+    def _row(self, j: int, position: int) -> int:
+        """The row boundary of unit ``j`` at or below ``position``, clamped to the unit."""
+        unit = self.units[j]
+        return min(unit.rows, max(0, (position - self.starts[j]) // max(1, unit.row_bytes)))
+
+
+def split_runs(units: Iterable[tuple[int, ShardingUnit]]) -> list[SplitRun]:
+    """The :class:`SplitRun` of each set of holders among ``units`` ((position, unit) pairs), in first-seen order."""
+    groups: dict[Holders, list[tuple[int, ShardingUnit]]] = {}
+    for index, unit in units:
+        groups.setdefault(unit.holders, []).append((index, unit))
+    return [SplitRun.of(holders, members) for holders, members in groups.items()]
+
+
+def split_loads(units: Iterable[ShardingUnit], world_size: int) -> list[int]:
+    """Bytes each rank writes of ``units`` cut as runs over their holders (:class:`SplitRun`), in the given order.
+    O(units + holders of each set): O(units + ranks) for the experts, whose EP rank's replicas are their holders."""
+    loads = [0] * world_size
+    for run in split_runs(enumerate(units)):
+        run.add_loads(loads)
+    return loads
+
+
 @dataclass(frozen=True)
 class Ownership:
     """Who writes what: for every unit, shards that cover its rows exactly once, each by one of its holders."""
@@ -154,8 +279,10 @@ class Ownership:
     units: tuple[ShardingUnit, ...]
     placed: tuple[tuple[Shard, ...] | None, ...]
     """``placed[i]``: the shards of ``units[i]`` where they were placed (dense units; every unit under ``rank0`` and
-    ``dcp_default``); ``None``: equal row ranges over its holders (:func:`split_over_holders`, the experts under
-    ``equal`` and ``adaptive``), derived where asked, so that no rank builds every replica's shard of every expert."""
+    ``dcp_default``); ``None``: cut with the other units of its holders as one run (:class:`SplitRun`, the experts
+    under ``equal`` and ``adaptive``), derived where asked, so that no rank builds every replica's shards."""
+    runs: tuple[SplitRun, ...]
+    """The runs of the units ``placed`` leaves to the split, one per set of holders."""
     rank_bytes: tuple[int, ...]
     """Bytes each rank writes."""
     _writes: dict[int, tuple[tuple[ShardingUnit, Shard], ...]] = field(
@@ -167,7 +294,8 @@ class Ownership:
     def shards(self) -> tuple[tuple[Shard, ...], ...]:
         """``shards[i]`` partitions ``[0, units[i].rows)``; an empty unit has one empty shard, so it has a writer.
 
-        Every replica's shard of every unit: O(units x replicas); a rank's own are :meth:`writes_of`."""
+        Every rank's shards of every unit (O(units + ranks) for units cut as runs); a rank's own are
+        :meth:`writes_of`."""
         return tuple(self._shards_at(i) for i in range(len(self.units)))
 
     def shards_of(self, key: str) -> tuple[Shard, ...]:
@@ -178,7 +306,8 @@ class Ownership:
             raise KeyError(f"no unit with key {key!r} in this ownership") from None
 
     def writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
-        """What ``rank`` writes: (unit, shard) pairs, in unit order. O(units), whatever the world size."""
+        """What ``rank`` writes: (unit, shard) pairs, in unit order. O(units), whatever the world size (each run's
+        piece found by bisection)."""
         if not 0 <= rank < self.topology.world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={self.topology.world_size})")
         if rank not in self._writes:
@@ -201,7 +330,15 @@ class Ownership:
 
     def _shards_at(self, index: int) -> tuple[Shard, ...]:
         placed = self.placed[index]
-        return split_over_holders(self.units[index]) if placed is None else placed
+        if placed is not None:
+            return placed
+        run, j = self._run_of[index]
+        return run.unit_shards(j)
+
+    @cached_property
+    def _run_of(self) -> dict[int, tuple[SplitRun, int]]:
+        """Unit index -> its run and its position there."""
+        return {index: (run, j) for run in self.runs for j, index in enumerate(run.indices)}
 
     @cached_property
     def _index_of_key(self) -> dict[str, int]:
@@ -218,63 +355,22 @@ class Ownership:
         return by_rank
 
     def _writes_of(self, rank: int) -> tuple[tuple[ShardingUnit, Shard], ...]:
-        """The rank's split shards in closed form and its placed ones from the index, merged into unit order."""
+        """The rank's piece of each run it holds and its placed shards from the index, merged into unit order."""
         mine = list(self._placed_by_rank.get(rank, ()))
-        for index, (unit, placed) in enumerate(zip(self.units, self.placed)):
-            if placed is None and (shard := split_shard(unit, rank)) is not None:
-                mine.append((index, shard))
+        for run in self.runs:
+            if rank in run.holders:
+                mine += [(run.indices[j], shard) for j, shard in run.piece_shards(run.holders.index(rank))]
         mine.sort(key=lambda pair: pair[0])
         return tuple((self.units[index], shard) for index, shard in mine)
 
 
 Assignment = dict[int, tuple[Shard, ...]]
-"""Shards of the units a strategy places, keyed by the unit's position in the input (an expert split over its
-holders is left out)."""
+"""Shards of the units a strategy places, keyed by the unit's position in the input (an expert left to the split
+over its holders, :class:`SplitRun`, is left out)."""
 
 
 def _whole(unit: ShardingUnit, rank: int) -> tuple[Shard, ...]:
     return (Shard(rank, 0, unit.rows),)
-
-
-def _pieces(unit: ShardingUnit) -> int:
-    """How many holders an equal split uses: one per holder, fewer when there are fewer rows (at least one)."""
-    return max(1, min(len(unit.holders), unit.rows))
-
-
-def split_over_holders(unit: ShardingUnit) -> tuple[Shard, ...]:
-    """Equal row ranges, one per holder (fewer when there are fewer rows than holders): the equal expert split,
-    and how ZeRO partitions a unit's optimizer state over its replica group."""
-    pieces = _pieces(unit)
-    bounds = [piece * unit.rows // pieces for piece in range(pieces + 1)]
-    return tuple(Shard(unit.holders[piece], bounds[piece], bounds[piece + 1]) for piece in range(pieces))
-
-
-def split_shard(unit: ShardingUnit, rank: int) -> Shard | None:
-    """``rank``'s shard of :func:`split_over_holders` alone, in O(1) for a ``range`` of holders; ``None`` if it has
-    none (not a holder, or a holder past the unit's rows)."""
-    if rank not in unit.holders:
-        return None
-    piece, pieces = unit.holders.index(rank), _pieces(unit)
-    if piece >= pieces:
-        return None
-    return Shard(rank, piece * unit.rows // pieces, (piece + 1) * unit.rows // pieces)
-
-
-def split_loads(units: Iterable[ShardingUnit], world_size: int) -> list[int]:
-    """Bytes each rank writes of ``units`` split over their holders (:func:`split_over_holders`), without building a
-    shard: units of the same holders and rows share the split's pattern of row counts, so their bytes per row are
-    summed first and the pattern is walked once per such group. O(units + ranks x distinct row counts) for units
-    held by ``range``s (the experts of an EP rank share their holders, and a model's experts a few row counts)."""
-    groups: dict[tuple[tuple[int, ...] | range, int], int] = {}
-    for unit in units:
-        group = (unit.holders, unit.rows)
-        groups[group] = groups.get(group, 0) + unit.row_bytes
-    loads = [0] * world_size
-    for (holders, rows), row_bytes in groups.items():
-        pieces = max(1, min(len(holders), rows))
-        for piece in range(pieces):
-            loads[holders[piece]] += ((piece + 1) * rows // pieces - piece * rows // pieces) * row_bytes
-    return loads
 
 
 def _rank_bytes(units: Sequence[ShardingUnit], assignment: Assignment, world_size: int) -> list[int]:
@@ -364,7 +460,7 @@ def _place_dense(units: Sequence[ShardingUnit], loads: Sequence[int], pour: bool
 def _equal_experts(
     units: Sequence[ShardingUnit], world_size: int, base_loads: Sequence[int] | None, pour: bool
 ) -> Assignment:
-    """Experts split over their holders (left out: :attr:`Ownership.placed` derives them); dense units placed
+    """Experts cut as runs over their holders (left out: :attr:`Ownership.placed` derives them); dense units placed
     ignoring the rest (``base_loads=None``), or onto the ranks with the fewest bytes counting ``base_loads`` and the
     expert shards (:func:`split_loads`)."""
     if base_loads is None:
@@ -442,17 +538,18 @@ def _ownership(
     strategy: str, topology: Topology, units: tuple[ShardingUnit, ...], assignment: Assignment
 ) -> Ownership:
     """The ownership of ``units`` from the placed ones' shards; every unit ``assignment`` leaves out is an expert
-    split over its holders, whose bytes :func:`split_loads` counts."""
-    split = [unit for i, unit in enumerate(units) if i not in assignment]
-    assert all(unit.kind == "expert" for unit in split), "only experts are split over their holders implicitly"
-    loads = split_loads(split, topology.world_size)
-    for rank, placed in enumerate(_rank_bytes(units, assignment, topology.world_size)):
-        loads[rank] += placed
+    cut with the others of its holders (:class:`SplitRun`)."""
+    runs = tuple(split_runs((i, unit) for i, unit in enumerate(units) if i not in assignment))
+    assert all(unit.kind == "expert" for run in runs for unit in run.units), "only experts are cut as runs implicitly"
+    loads = _rank_bytes(units, assignment, topology.world_size)
+    for run in runs:
+        run.add_loads(loads)
     return Ownership(
         strategy=strategy,
         topology=topology,
         units=units,
         placed=tuple(assignment.get(i) for i in range(len(units))),
+        runs=runs,
         rank_bytes=tuple(loads),
     )
 
@@ -476,7 +573,8 @@ def equal_experts_ownership(
     base_loads: Sequence[int] | None,
     pour: bool,
 ) -> Ownership:
-    """Experts split equally over their holders (EE), dense units placed as the paper's EN or AN.
+    """Experts split equally over their holders (EE, as runs: :class:`SplitRun`), dense units placed as the paper's
+    EN or AN.
 
     For state that other bytes share the ranks with, such as ZeRO optimizer partitions each rank writes
     itself (``moc_lightning.sharding.paper_accounting``). ``base_loads=None``: dense units placed ignoring everything

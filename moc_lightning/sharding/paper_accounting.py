@@ -10,7 +10,8 @@ only the replicated weights need an owner, and that is all the plans change:
 
 - ``deepspeed``: DeepSpeed's default ZeRO-2 save (Figure 7a): rank 0 writes the non-expert weights, EP group
   0 (expert-data-parallel rank 0 of each expert) writes the experts' weights.
-- ``EE+EN``: equal expert sharding (each expert's weights split over its replicas, 4.1) and equal non-expert
+- ``EE+EN``: equal expert sharding (the experts' weights split equally over their replicas, 4.1, as ownership cuts
+  them: an EP rank's experts as one run, :class:`~moc_lightning.sharding.ownership.SplitRun`) and equal non-expert
   sharding (dense weights placed largest first onto the ranks with the fewest dense bytes, 4.2).
 - ``EE+AN``: the same expert split; dense weights placed largest first onto the ranks with the fewest bytes
   counting everything else they write: their optimizer partitions and expert weights (adaptive, 4.3).
@@ -18,9 +19,10 @@ only the replicated weights need an owner, and that is all the plans change:
 The paper places non-expert state at layer granularity (whole units); ``EE+EN rows`` and ``EE+AN rows`` use
 our row-block pouring of oversized units instead (``moc_lightning.sharding.ownership``).
 
-Assumption: each unit's optimizer state is split evenly over its replica group, as Figure 6 draws it.
-DeepSpeed partitions one flat buffer per parameter group, which moves partition boundaries across units and
-so changes which rank holds which expert's state, but not any rank's share of the whole.
+Assumption: the optimizer state of the units one replica group holds, laid end to end, is cut evenly over the
+group (:func:`~moc_lightning.sharding.ownership.split_loads`), as DeepSpeed partitions one flat buffer per parameter
+group. Figure 6 draws each unit split evenly over its group instead, which moves the boundaries but not any rank's
+share of the whole (beyond a parameter).
 
 Units are counted in parameters: a unit's ``rows`` are its parameters (``row_bytes`` = 1); bytes come from
 ``MixedPrecision``.
@@ -105,7 +107,8 @@ def _check_parameter_units(units: Sequence[ShardingUnit]) -> None:
 
 
 def optimizer_partitions(units: Sequence[ShardingUnit], topology: Topology, optimizer_bytes: int) -> tuple[int, ...]:
-    """Bytes of each rank's ZeRO partition of the units' optimizer state: each unit split evenly over its holders."""
+    """Bytes of each rank's ZeRO partition of the units' optimizer state: each set of holders' units cut evenly over
+    them."""
     _check_parameter_units(units)
     return tuple(load * optimizer_bytes for load in split_loads(units, topology.world_size))
 

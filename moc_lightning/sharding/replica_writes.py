@@ -4,9 +4,10 @@ Under HSDP a DTensor's local piece is held alike by its replicas (:func:`moc_lig
 in each replica group. Written by all of them, a persist would store each byte once per group. Instead the replicas
 of a piece split it as DDP's ranks split a replicated unit (:mod:`moc_lightning.sharding.ownership`, MoC-System section 4):
 a unit's pieces held by one set of replicas form a unit of a world of those replicas, and ``equal``/``adaptive``
-ownership splits the experts into equal row ranges and places (or pours) the dense units over them. All replicas of
-a piece hold the same pieces of the same units (HSDP's replica groups are alike), so each computes the same ownership
-from its own pieces, with no communication; under FSDP2 every replica set is one rank, which writes its whole piece.
+ownership cuts the experts into equal byte ranges (as one run, :class:`~moc_lightning.sharding.ownership.SplitRun`)
+and places (or pours) the dense units over them. All replicas of a piece hold the same pieces of the same units (HSDP's
+replica groups are alike), so each computes the same ownership from its own pieces, with no communication; under FSDP2
+every replica set is one rank, which writes its whole piece.
 """
 
 from __future__ import annotations
