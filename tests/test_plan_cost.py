@@ -5,6 +5,7 @@ persist plans off the training thread."""
 
 from __future__ import annotations
 
+import gc
 import random
 from unittest import mock
 
@@ -181,3 +182,24 @@ def test_the_global_plan_has_a_write_item_per_unit_or_cut_not_per_replica_of_eve
         kind_units = sum(1 for unit in units if unit.kind == kind)
         assert count <= kind_units + topology.world_size, f"{count:,} write items for {kind_units} {kind} units"
     assert sum(len(stored.chunks) for stored in metadata.state_dict_metadata.values()) == sum(items.values())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_while_the_coordinator_plans_and_left_as_it_was(enabled: bool) -> None:
+    """The global plan allocates objects per write item and frees none, so automatic collections only walk them
+    (``collector_paused``): off during the plan, then back as the caller had it, also when the plan fails."""
+    seen: list[bool] = []
+
+    def planning(all_plans: list[SavePlan]) -> tuple[list[SavePlan], object]:
+        seen.append(gc.isenabled())
+        raise ValueError("two ranks write 'w' whole")
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with mock.patch("moc_lightning.sharding.planner.disjoint_global_plan", planning):
+            with pytest.raises(ValueError, match="two ranks write"):
+                MoCSavePlanner({"w": (0, 4)}).create_global_plan([SavePlan([])])
+        assert seen == [False] and gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -17,7 +17,9 @@ and deduplicates them; ownership's own plan is a few hundred thousand items ther
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import gc
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -148,7 +150,8 @@ class MoCSavePlanner(DefaultSavePlanner):
         """DCP's global plan, or with ``writes`` (disjoint by construction) :func:`disjoint_global_plan`."""
         if self.writes is None:
             return super().create_global_plan(all_plans)
-        self.global_plan, self.metadata = disjoint_global_plan(all_plans)
+        with collector_paused():
+            self.global_plan, self.metadata = disjoint_global_plan(all_plans)
         return self.global_plan, self.metadata
 
     def lookup_object(self, index: MetadataIndex) -> Any:
@@ -181,6 +184,22 @@ def owned_bytes(plan: SavePlan) -> int:
             total += numel * torch.empty((), dtype=data.properties.dtype).element_size()
     return total
 
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the coordinator builds the global plan: the plan allocates an
+    object or more per write item (hundreds of thousands at scale) and frees none, so each automatic collection walks
+    every plan already built, for nothing: at 64 simulated ranks, DeepSeek-V3-shaped, K=N, 1.4 s with the collector
+    off against 2.4-4.6 s with it on. Process-wide for those seconds; reference counting still frees everything
+    acyclic, and the collector runs again after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def disjoint_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
