@@ -191,30 +191,25 @@ def draw_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
     if cfg.storage == "s3":
         from moc_lightning.tools.chaos.s3_trials import draw_network_fault  # boto3: the dev extra
 
-        faults = [_soon_after_the_resume(_at_first_reached(f), cfg) for f in faults]
+        faults = [_reached_on_s3(f, cfg) for f in faults]
         faults.append(Fault("network", 0, rule=draw_network_fault(rng)))
     return faults
 
 
-def _at_first_reached(fault: Fault) -> Fault:
-    """On ``storage=s3``, a kill inside a persist or its commit lands in the first one reached rather than the one of a
-    drawn step: a persist over S3 outlasts several snapshots, which skip theirs, so a drawn step's persist is mostly
-    never taken and the kill would never fire."""
-    plan = FaultPlan.parse(fault.plan) if fault.kind == "kill" and fault.plan else None
-    if plan is None or plan.phase not in ("persist", "manifest_commit") or plan.step is None:
-        return fault
-    return replace(fault, plan=replace(plan, step=None, nth=1).spec())
+def _reached_on_s3(fault: Fault, cfg: TrialConfig) -> Fault:
+    """A kill moved where a ``storage=s3`` trial reaches it, the draws unchanged:
 
-
-def _soon_after_the_resume(fault: Fault, cfg: TrialConfig) -> Fault:
-    """On ``storage=s3``, a second kill in training lands within one persist interval of the resume (its ``nth``
-    folded into ``every * persist_every`` steps, the draws unchanged): incarnation 0 mostly dies late in a 48-step run,
-    so a resume often has fewer steps left than an ``nth`` up to ``max_steps // 2`` and the kill never fired (2 of the
-    first 19 trials of session 28)."""
+    - inside a persist or its commit: the first one reached, not the one of a drawn step (a persist over S3 outlasts
+      several snapshots, which skip theirs, so a drawn step's persist is mostly never taken and the kill never fired);
+    - in training after the resume: its ``nth`` folded into one persist interval (``every * persist_every`` steps).
+      Incarnation 0 mostly dies late in a 48-step run, so a resume often had fewer steps left than an ``nth`` up to
+      ``max_steps // 2`` and the kill never fired (2 of the first 19 trials of session 28)."""
     plan = FaultPlan.parse(fault.plan) if fault.kind == "kill" and fault.plan else None
-    if plan is None or plan.phase != "train" or plan.incarnation == 0 or plan.step is not None:
-        return fault
-    return replace(fault, plan=replace(plan, nth=1 + (plan.nth - 1) % (cfg.every * cfg.persist_every)).spec())
+    if plan is not None and plan.phase in ("persist", "manifest_commit") and plan.step is not None:
+        return replace(fault, plan=replace(plan, step=None, nth=1).spec())
+    if plan is not None and plan.phase == "train" and plan.incarnation != 0 and plan.step is None:
+        return replace(fault, plan=replace(plan, nth=1 + (plan.nth - 1) % (cfg.every * cfg.persist_every)).spec())
+    return fault
 
 
 def _draw_pec_faults(rng: random.Random, cfg: TrialConfig) -> list[Fault]:
