@@ -156,7 +156,10 @@ class GPTMoE(nn.Module):
                 param.fill_(1.0)
             else:
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+                # Drawn on the CPU generator's device whatever the default device: Lightning runs configure_model
+                # under the accelerator's (a CUDA default device and a CPU generator do not mix), and the same draw
+                # everywhere keeps a run's initial weights independent of where it trains.
+                param.copy_(torch.randn(param.shape, generator=generator, device="cpu") * std)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
