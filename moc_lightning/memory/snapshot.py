@@ -12,9 +12,11 @@ buffer), one may be in persist, the other takes the next snapshot.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +147,11 @@ class SnapshotStore:
         self.pin_device = pin_device if pin_device is not None and pin_device.type == "cuda" else None
         self.root.mkdir(parents=True, exist_ok=True)
         self._mappings: dict[int, mmap.mmap] = {}
+        if self.pin_device is not None:
+            # A store dropped without remove() would unmap its slots with the driver still holding them registered:
+            # a later allocation at those addresses (a pageable tensor) is then taken for pinned memory by the
+            # driver. Unregister first. Not at exit: the process's memory goes with it.
+            weakref.finalize(self, _unpin_all, self.pin_device, self._mappings).atexit = False
         self._steps: dict[int, int] | None = None
         """Step of each complete slot as this process last wrote or read it (saves a disk scan per snapshot)."""
         self._targets: dict[tuple[int, tuple], tuple[list[SlotEntry], list[torch.Tensor]]] = {}
@@ -323,7 +330,7 @@ class SnapshotStore:
         return laid_out
 
     def _unpin(self, mapping: mmap.mmap) -> None:
-        """Undo the page-locking of a mapping that is being replaced or removed."""
+        """Undo the page-locking of a mapping that is being replaced."""
         if self.pin_device is not None:
             _cuda_call("cudaHostUnregister", self.pin_device, _address(mapping))
 
@@ -340,8 +347,8 @@ class SnapshotStore:
 
     def remove(self) -> None:
         """Remove every slot of this rank and its folder (the run is over)."""
-        for mapping in self._mappings.values():
-            self._unpin(mapping)
+        if self.pin_device is not None:
+            _unpin_all(self.pin_device, self._mappings)
         self._mappings.clear()
         self._targets.clear()
         self._steps = {}
@@ -371,10 +378,31 @@ def _cuda_call(name: str, device: torch.device, *args: int) -> None:
         result = getattr(torch.cuda.cudart(), name)(*args)
     code = int(getattr(result, "value", result))
     if code != 0:
+        _take_last_cuda_error()
         raise RuntimeError(
             f"{name} failed on {device} with CUDA error {code} ({result}) for a snapshot slot; "
-            "check the locked-memory limit (ulimit -l) and checkpoint.shm_root"
+            "checkpoint.shm_root must be on a tmpfs such as /dev/shm (the driver refuses to page-lock a file on disk: "
+            "seen on an H200 node's ext4 /tmp), within the locked-memory limit (ulimit -l)"
         )
+
+
+def _unpin_all(device: torch.device, mappings: dict[int, mmap.mmap]) -> None:
+    """Undo the page-locking of every mapping in ``mappings`` (a store's slots), and forget them."""
+    for mapping in mappings.values():
+        _cuda_call("cudaHostUnregister", device, _address(mapping))
+    mappings.clear()
+
+
+def _take_last_cuda_error() -> None:
+    """Clear the error a failed runtime call leaves for this thread's next ``cudaGetLastError``: PyTorch reads that
+    after every kernel launch, so the next unrelated launch would raise it as its own (``invalid argument`` from a
+    ``.to(device)``). torch binds no ``cudaGetLastError``; the runtime it loaded is found by its soname. Where none is
+    found by that name nothing is cleared, and the error this module raises still names the failed call."""
+    major = (torch.version.cuda or "").split(".")[0]
+    try:
+        ctypes.CDLL(f"libcudart.so.{major}").cudaGetLastError()
+    except (OSError, AttributeError):
+        return
 
 
 def _address(mapping: mmap.mmap) -> int:
