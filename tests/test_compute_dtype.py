@@ -5,6 +5,7 @@ so; a parameter under no such policy keeps its own dtype."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from dist_utils import run_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from trainee import TINY
 
-from moc_lightning.engine.compute_dtype import compute_dtypes
+from moc_lightning.engine.compute_dtype import compute_dtypes, param_groups
 from moc_lightning.engine.layout import build_layout
 from moc_lightning.engine.units import ExpertUnit
 from moc_lightning.models import ExpertParallelTopology, GPTMoE
@@ -59,3 +60,13 @@ def test_weights_under_a_bf16_fsdp2_policy_are_logged_and_counted_in_bf16_others
     for weights_bytes, compute, is_expert in run["sizes"]:
         assert compute == (weights_bytes // 2 if is_expert else weights_bytes)
     assert run["copied"] == run["planned"], "the plan counts what the captures copy"
+
+
+def test_the_parameter_groups_are_read_from_fsdp2_states_of_torch_2_13_and_of_torch_2_11() -> None:
+    """torch 2.13 keeps a list of groups, torch 2.11 (GPU images ship it) one group or ``None``. Failed on 6d39a63
+    under torch 2.11 (the quick bench, fsdp2, on the GPU node's CPUs): ``'FSDPState' object has no attribute
+    '_fsdp_param_groups'``."""
+    a, b = object(), object()
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=a)) == [a]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
