@@ -88,8 +88,16 @@ class StepResult:
     """Node id -> ``{"result": passed|failed|error|skipped, "message": ...}``."""
 
 
+TMPFS = Path("/dev/shm/moc_gpu_check")
+"""The steps' snapshot slots and the tests' temporary folders: the driver page-locks memory-backed files (tmpfs, where
+``checkpoint.shm_root``'s default ``/dev/shm`` is) but refuses a file on disk, and a GPU node's ``/tmp`` may be one."""
+
+
 def _pytest(tests: tuple[str, ...], junit: Path) -> tuple[str, ...]:
-    return (sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests)
+    return (
+        sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={junit}",
+        f"--basetemp={TMPFS / junit.stem}", *tests,
+    )  # fmt: skip
 
 
 def _train(out: Path, gpus: int, data_parallel: str) -> tuple[str, ...]:
@@ -99,7 +107,7 @@ def _train(out: Path, gpus: int, data_parallel: str) -> tuple[str, ...]:
         sys.executable, "recipes/train.py", "trainer=gpu", f"trainer.devices={gpus}",
         f"trainer.data_parallel={data_parallel}", "trainer.max_steps=100", "trainer.val_check_interval=50",
         "trainer.limit_val_batches=4", "checkpoint=moc", "checkpoint.every_n_train_steps=10",
-        f"checkpoint.storage.url={(run / 'ckpt').as_uri()}", f"checkpoint.shm_root={run / 'shm'}",
+        f"checkpoint.storage.url={(run / 'ckpt').as_uri()}", f"checkpoint.shm_root={TMPFS / run.name}",
         f"hydra.run.dir={run}",
     )  # fmt: skip
 
@@ -240,6 +248,7 @@ def markdown(report: dict[str, Any]) -> str:
 def check(gpus: int, out: Path) -> int:
     """Run every step, write the report; 0 when every step that ran passed."""
     out.mkdir(parents=True, exist_ok=True)
+    TMPFS.mkdir(parents=True, exist_ok=True)
     planned = steps(gpus, out)
     results = [run_step(step, gpus, out) for step in planned]
     bench = next(s for s in planned if s.bench_json is not None)
