@@ -138,7 +138,7 @@ class Recovery:
             and holders is not None
             and (given := piece_donors(key, source.step, inventory, holders[split_part_key(key)[0]]))
         }
-        memory = MemoryRestore(pec.layout, self._store, self._rank, pec.topology.world_size)
+        memory = MemoryRestore(pec.layout, self._store, pec.topology)
         in_memory = memory.specs(plan, by_slot, donors)
         restored = [key for key, src in plan.sources.items() if src.level != "none"]
         pec.loader.prepare_for_load(restored, {**pec.loader.stored_specs(stored), **in_memory})

@@ -1,5 +1,6 @@
-"""Restoring units from in-memory snapshots: a unit's slot owner broadcasts it to every holder, and a unit in pieces
-(FSDP2/HSDP) comes back from each holder's own slot, or from a replica's where a holder lost it.
+"""Restoring units from in-memory snapshots: a unit's slot owner broadcasts it to the ranks that hold it (a dense unit
+to every rank, an expert to its replicas), and a unit in pieces (FSDP2/HSDP) comes back from each holder's own slot,
+or from a replica's where a holder lost it.
 
 Used by two-level recovery (:mod:`moc_lightning.memory.recovering`) for every unit whose plan names memory as its
 source; every rank walks the units in the same order, so each broadcast, send and receive meets its peer.
@@ -15,10 +16,11 @@ import torch.distributed as dist
 
 from moc_lightning.engine.layout import Layout, TensorSpec
 from moc_lightning.engine.parts import part_key_of, split_part_key
-from moc_lightning.engine.units import parse_unit
+from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.recovery import RecoveryPlan, Source
 from moc_lightning.memory.snapshot import SlotEntry, SlotMeta, SnapshotStore
 from moc_lightning.runtime.distributed import collective_device
+from moc_lightning.runtime.expert_parallel import ExpertParallelTopology
 
 _Described = tuple[dict[str, SlotEntry], dict[int, dict[str, SlotEntry]]]
 """What one rank describes of the memory-sourced units: its own slots' entries, and per receiver the entries of the
@@ -31,11 +33,12 @@ class MemoryRestore:
     Public: :meth:`specs`, :meth:`restore`.
     """
 
-    def __init__(self, layout: Layout, store: SnapshotStore, rank: int, world_size: int) -> None:
+    def __init__(self, layout: Layout, store: SnapshotStore, topology: ExpertParallelTopology) -> None:
         self._layout = layout
         self._store = store
-        self._rank = rank
-        self._world_size = world_size
+        self._topology = topology
+        self._rank = topology.rank
+        self._world_size = topology.world_size
 
     def specs(
         self, plan: RecoveryPlan, by_slot: Mapping[int, SlotMeta], donors: Mapping[str, Mapping[int, int]]
@@ -78,9 +81,10 @@ class MemoryRestore:
         donors: Mapping[str, Mapping[int, int]],
         skip: Collection[str] = (),
     ) -> None:
-        """Every memory-sourced unit: its owner reads its slot and broadcasts; every holder copies it in. A unit in
-        pieces: every holder copies its own pieces in from its own slot; a holder that lost it receives it from a
-        replica (``donors``, by part key: :meth:`_restore_piece`).
+        """Every memory-sourced unit: its owner reads its slot and broadcasts it to the unit's holders
+        (:meth:`_holders`), which copy it in; the other ranks take no part. A unit in pieces: every holder copies its
+        own pieces in from its own slot; a holder that lost it receives it from a replica (``donors``, by part key:
+        :meth:`_restore_piece`).
 
         One broadcast per unit and slot: both parts of a unit when they come from the same slot (always under
         ``both``), each part apart when they do not. ``specs`` (from :meth:`specs`) names each part's
@@ -103,6 +107,9 @@ class MemoryRestore:
                     given = {r: d for part in {part_key_of(k) for k in keys} for r, d in donors.get(part, {}).items()}
                     self._restore_piece(keys, by_slot, source.step, specs, skip, given)
                 continue
+            holders = self._holders(unit, source.rank)
+            if self._rank not in holders:
+                continue
             sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
             if source.rank == self._rank:
                 tensors = self._store.read(own_slot(by_slot, source), keys)
@@ -110,9 +117,10 @@ class MemoryRestore:
                 flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.uint8)
-            if dist.is_initialized() and self._world_size > 1:
+            if dist.is_initialized() and len(holders) > 1:
                 flat = flat.to(collective_device())
-                dist.broadcast(flat, src=source.rank)
+                group = None if len(holders) == self._world_size else self._topology.replica_group
+                dist.broadcast(flat, src=source.rank, group=group)
                 flat = flat.cpu()
             if unit in layout.slots:
                 live = layout.tensors([unit])
@@ -123,6 +131,19 @@ class MemoryRestore:
                         if k in skip or (k not in live and others_state and "/optim/" in k):
                             continue  # under ZeRO another rank keeps this unit's optimizer state
                         live[k].copy_(piece.view(dtype).view(shape))
+
+    def _holders(self, unit: Unit, source: int) -> range:
+        """The ranks a whole unit's broadcast from ``source`` reaches: an expert's replicas (the ranks at its EP
+        position, this rank's ``replica_group``) under expert parallelism, else every rank. Every rank computes the
+        same, so the ranks outside take no part and each group's broadcasts meet in the same order. A source outside
+        the holders (a slot of a run laid out with another EP degree) broadcasts over every rank, as before."""
+        topology = self._topology
+        everyone = range(topology.world_size)
+        if not isinstance(unit, ExpertUnit) or topology.ep == 1:
+            return everyone
+        position = unit.expert // (self._layout.num_experts[unit.layer] // topology.ep)
+        replicas = range(position, topology.world_size, topology.ep)
+        return replicas if source in replicas else everyone
 
     def _restore_piece(
         self,
