@@ -229,8 +229,8 @@ def test_a_checkpoint_at_scale_by_hand() -> None:
         "snapshot_max_bytes[K=1]": 1e9, "snapshot_collective_bytes[K=1]": 5e8, "plan_s[K=1]": 3.0,
         "plan_on_training_thread[K=1]": 0.0, "persist_max_bytes[K=1]": 4e9, "persist_total_bytes[K=1]": 1e12,
         "coordinator_plan_s[K=1]": 2.0, "metadata_bytes[K=1]": 1e9, "commit_s[K=1]": 0.5,
-        "recovery_exchange_bytes[K=1]": 1e9, "recovery_plan_s[K=1]": 1.5, "state_total_bytes": 1e10,
-        "restored_units": 100, "copy_gbps": 2.0, "write_gbps": 1.0, "restore_gbps": 5.0, "storage_gbps": 500.0,
+        "recovery_exchange_bytes[K=1]": 1e9, "recovery_plan_s[K=1]": 1.5, "restore_bytes": 1e10,
+        "restore_units": 100, "copy_gbps": 2.0, "write_gbps": 1.0, "restore_gbps": 5.0, "storage_gbps": 500.0,
         "network_gbps": 10.0, "collective_latency_seconds": 0.01, "overlap_fraction": 0.5, "iteration_seconds": 0.5,
     }  # fmt: skip
     inputs = ScaleInputs("m", 8, 4, tuple(Figure(n, v, ASSUMED, "test") for n, v in given.items()))

@@ -29,9 +29,10 @@ MTBF projection does; full checkpoints are K=N), in seconds:
   plan and its ``.metadata`` write, and the manifest commit.
 - **Recovery**: the inventory exchange (``latency + exchange bytes / network``), the recovery plan, and the restore
   from memory *as implemented* (:mod:`moc_lightning.memory.restoring`): unit after unit, its owner reads it from its
-  slot and broadcasts it over the whole world, so every rank receives every unit's weights and state
-  (``state / restore + state / network + units * latency``). Broadcasting over each unit's holders instead would cut
-  what a rank receives to the weights it holds; not built.
+  slot and broadcasts it to the unit's holders only (every rank for a dense unit, an expert's replicas for an
+  expert; the replica groups' broadcasts run side by side), so the busiest rank receives the weights and state of
+  the units it holds (``held / restore + held / network + held units * latency``). Its optimizer state still goes to
+  every holder, where only its ZeRO owner keeps it; sending it to the owner alone is not built.
 - **Replay** (window W): each iteration copies what :func:`~moc_lightning.tools.scale_report.replay_bytes` says the
   busiest rank copies at that offset, less the overlap, plus the snapshot's all-reduce, averaged over the window; a
   recovery restores the busiest rank's window at the restore speed and replays W-1 iterations at the iteration time.
@@ -205,7 +206,9 @@ def shape_bytes(model: str, world_size: int, window: int) -> list[Figure]:
         for field in ("snapshot_max", "persist_max", "persist_total"):
             figures.append(Figure(f"{field}_bytes[K={key}]", float(getattr(placed, field)), COMPUTED, where))
     figures.append(Figure("state_total_bytes", float(placed.state_total), COMPUTED, f"{where}: every unit, restored"))
-    figures.append(Figure("restored_units", float(placed.restored_units), COMPUTED, f"{where}: one broadcast each"))
+    busiest_holder = f"{where}: the busiest rank, the units it holds"
+    figures.append(Figure("restore_bytes", float(placed.restore_max), COMPUTED, busiest_holder))
+    figures.append(Figure("restore_units", float(placed.restore_units_max), COMPUTED, f"{busiest_holder}, a broadcast each"))
     replay: ReplayBytes = replay_bytes(spec, world_size, window)
     busiest = f"{where}, W={window}: busiest rank"
     for t, nbytes in enumerate(replay.capture_max):
@@ -339,7 +342,7 @@ def checkpoint_parts(inputs: ScaleInputs, key: str) -> CheckpointParts:
         return inputs[f"{name}[K={key}]"]
 
     latency, network = inputs["collective_latency_seconds"], inputs["network_gbps"] * GB
-    write, state = inputs["write_gbps"] * GB, inputs["state_total_bytes"]
+    write, restored = inputs["write_gbps"] * GB, inputs["restore_bytes"]
     hidden = inputs["overlap_fraction"] * inputs["iteration_seconds"]
     plan_on_thread = at("plan_on_training_thread") > 0
     return CheckpointParts(
@@ -353,7 +356,7 @@ def checkpoint_parts(inputs: ScaleInputs, key: str) -> CheckpointParts:
         commit=at("commit_s"),
         exchange=latency + at("recovery_exchange_bytes") / network,
         recovery_plan=at("recovery_plan_s"),
-        restore=state / (inputs["restore_gbps"] * GB) + state / network + inputs["restored_units"] * latency,
+        restore=restored / (inputs["restore_gbps"] * GB) + restored / network + inputs["restore_units"] * latency,
     )
 
 

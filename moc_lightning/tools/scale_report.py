@@ -276,8 +276,12 @@ class RankBytes:
     """Every rank's persist together."""
     state_total: int
     """Weights and optimizer state of every unit: what a recovery restores."""
-    restored_units: int
-    """Units a recovery restores (all of them), one broadcast each from memory."""
+    restore_max: int
+    """What the busiest rank receives restoring every unit from memory: weights and optimizer state of the units it
+    holds (every dense unit and the experts of its EP position), each broadcast to its holders only
+    (:meth:`~moc_lightning.memory.restoring.MemoryRestore.restore`)."""
+    restore_units_max: int
+    """Units the busiest rank takes part in restoring from memory, one broadcast each."""
 
 
 def rank_bytes(spec: ModelSpec, world_size: int, k: int) -> RankBytes:
@@ -294,13 +298,21 @@ def rank_bytes(spec: ModelSpec, world_size: int, k: int) -> RankBytes:
     persist = [own + weights for own, weights in zip(state, ownership.rank_bytes)]
     every = [unit for unit, _ in model.dense] + list(model.experts)
     forget_plans()
+    whole = {unit.key: model.weight_bytes(unit) + model.state_bytes(unit) for unit in every}
+    dense = [unit for unit, _ in model.dense]
+    held_bytes, held_units = [sum(whole[u.key] for u in dense)] * spec.ep, [len(dense)] * spec.ep
+    for unit in model.experts:  # an expert's holders: the ranks at its EP position
+        position = unit.expert // (spec.num_experts[unit.layer] // spec.ep)
+        held_bytes[position] += whole[unit.key]
+        held_units[position] += 1
     return RankBytes(
         snapshot_max=max(snapshot),
         snapshot_total=sum(snapshot),
         persist_max=max(persist),
         persist_total=sum(persist),
-        state_total=sum(model.weight_bytes(u) + model.state_bytes(u) for u in every),
-        restored_units=len(every),
+        state_total=sum(whole.values()),
+        restore_max=max(held_bytes),
+        restore_units_max=max(held_units),
     )
 
 
