@@ -208,7 +208,9 @@ def shape_bytes(model: str, world_size: int, window: int) -> list[Figure]:
     figures.append(Figure("state_total_bytes", float(placed.state_total), COMPUTED, f"{where}: every unit, restored"))
     busiest_holder = f"{where}: the busiest rank, the units it holds"
     figures.append(Figure("restore_bytes", float(placed.restore_max), COMPUTED, busiest_holder))
-    figures.append(Figure("restore_units", float(placed.restore_units_max), COMPUTED, f"{busiest_holder}, a broadcast each"))
+    figures.append(
+        Figure("restore_units", float(placed.restore_units_max), COMPUTED, f"{busiest_holder}, a broadcast each")
+    )
     replay: ReplayBytes = replay_bytes(spec, world_size, window)
     busiest = f"{where}, W={window}: busiest rank"
     for t, nbytes in enumerate(replay.capture_max):
