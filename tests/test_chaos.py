@@ -536,3 +536,19 @@ def test_seeded_replay_trial(tmp_path_factory: pytest.TempPathFactory) -> None:
     resumed = next(r for r in records[0] if r["kind"] == "restored" and r["step"] > 0)
     resumed["digests"][next(k for k in resumed["digests"] if k.startswith("optim/"))] = "stale"
     assert check_resume_state(records, reference), "a restored tensor off the fault-free state went unnoticed"
+
+
+def test_a_trial_that_kills_a_recovery_first_kills_after_something_is_committed() -> None:
+    """Otherwise the next incarnation starts afresh and its recovery kill never fires (failed on 07126ca: seeds 2951 and
+    2952 of zero2 killed the first snapshot or the training of step 3, then a recovery that never ran)."""
+    cfg = TrialConfig()
+    first = cfg.snapshot_steps[0]
+    recovering = 0
+    for seed in range(300):
+        faults = draw_faults(random.Random(seed), cfg)
+        if not any(f.plan and FaultPlan.parse(f.plan).phase == "recovery" for f in faults):
+            continue
+        recovering += 1
+        plan = FaultPlan.parse(faults[0].plan)
+        assert plan.step > first if plan.phase in ("train", "snapshot", "slot_commit") else plan.step >= first, plan
+    assert recovering > 30, "the draw still kills recoveries"
