@@ -132,7 +132,7 @@ class MemoryRestore:
                             continue  # under ZeRO another rank keeps this unit's optimizer state
                         live[k].copy_(piece.view(dtype).view(shape))
 
-    def _holders(self, unit: Unit, source: int) -> range:
+    def _holders(self, unit: Unit, source: int | None) -> range:
         """The ranks a whole unit's broadcast from ``source`` reaches: an expert's replicas (the ranks at its EP
         position, this rank's ``replica_group``) under expert parallelism, else every rank. Every rank computes the
         same, so the ranks outside take no part and each group's broadcasts meet in the same order. A source outside
@@ -143,7 +143,7 @@ class MemoryRestore:
             return everyone
         position = unit.expert // (self._layout.num_experts[unit.layer] // topology.ep)
         replicas = range(position, topology.world_size, topology.ep)
-        return replicas if source in replicas else everyone
+        return replicas if source is not None and source in replicas else everyone
 
     def _restore_piece(
         self,
