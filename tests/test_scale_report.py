@@ -63,14 +63,13 @@ def test_bytes_per_rank_add_up_to_the_models_state() -> None:
     state = sum(14 * numel(t) + 4 * len(t) for t in units)
     full, k1 = rank_bytes(MODELS["gpt350m16e"], 64, 16), rank_bytes(MODELS["gpt350m16e"], 64, 1)
     assert full.state_total == full.snapshot_total == state
-    expert = 14 * numel(shape.expert_tensors()) + 4 * len(shape.expert_tensors())
-    held = sum(14 * numel(t) + 4 * len(t) for _, t in shape.dense_tensors()) + len(shape.moe_layers) * expert
+    one_expert = 14 * numel(shape.expert_tensors()) + 4 * len(shape.expert_tensors())
+    held = sum(14 * numel(t) + 4 * len(t) for _, t in shape.dense_tensors()) + len(shape.moe_layers) * one_expert
     assert full.restore_max == held and full.restore_units_max == len(shape.dense_tensors()) + len(shape.moe_layers), (
         "EP 16 of 16 experts: a rank receives the dense units and one expert per MoE layer, its own"
     )
     assert full.persist_total == pytest.approx(state, rel=1e-4)
     assert state / 64 < full.snapshot_max < state and full.persist_max <= full.persist_total
-    one_expert = 14 * numel(shape.expert_tensors()) + 4 * len(shape.expert_tensors())
     assert k1.snapshot_total == state - 15 * len(shape.moe_layers) * one_expert, "K=1: one expert per layer"
     replay = replay_bytes(MODELS["gpt350m16e"], 64, 4)
     per_ep_rank = shape.experts // MODELS["gpt350m16e"].ep * len(shape.moe_layers)  # experts a rank holds

@@ -141,8 +141,7 @@ class MemoryRestore:
         everyone = range(topology.world_size)
         if not isinstance(unit, ExpertUnit) or topology.ep == 1:
             return everyone
-        position = unit.expert // (self._layout.num_experts[unit.layer] // topology.ep)
-        replicas = range(position, topology.world_size, topology.ep)
+        replicas = topology.replicas_of(unit.expert, self._layout.num_experts[unit.layer])
         return replicas if source is not None and source in replicas else everyone
 
     def _restore_piece(

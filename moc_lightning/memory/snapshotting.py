@@ -247,8 +247,7 @@ class SnapshotTaker:
         for unit, part in sized:
             nbytes = max(1, pec.plan.unit_nbytes(unit, part))
             if isinstance(unit, ExpertUnit):
-                per_rank = pec.layout.num_experts[unit.layer] // ep
-                replicas = range(unit.expert // per_rank, world, ep)
+                replicas = pec.topology.replicas_of(unit.expert, pec.layout.num_experts[unit.layer])
                 holder = replicas[(unit.layer + unit.expert) % len(replicas)]
                 sharding_units.append(
                     ShardingUnit(unit.key, "expert", 1, nbytes, (holder,), layer=unit.layer, expert=unit.expert)

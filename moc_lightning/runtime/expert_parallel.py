@@ -52,6 +52,10 @@ class ExpertParallelTopology:
         per_rank = num_experts // self.ep
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
+    def replicas_of(self, expert: int, num_experts: int) -> range:
+        """The ranks holding expert ``expert`` of a layer of ``num_experts``: its EP position in every EP group."""
+        return range(expert // (num_experts // self.ep), self.world_size, self.ep)
+
     @classmethod
     def replicated(cls) -> ExpertParallelTopology:
         """The topology of a model without expert parallelism: every rank of the default group holds every expert."""
