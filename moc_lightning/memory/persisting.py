@@ -8,6 +8,7 @@ while the coordinator may be committing the next one).
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future
 
 from moc_lightning.engine.parts import part_key_of
@@ -43,6 +44,9 @@ class PersistQueue:
         on."""
         self._persisting_slot: int | None = None
         self._recovery_slot: int | None = None
+        self._stored_steps: list[int] | None = None
+        """The stored versions' steps, read on the persist thread once the persist in flight committed; ``None``: not
+        read (a failed persist, or a manifest that could not be read there)."""
         self._outcomes: list[SaveReport | None] = []
         """Every periodic persist's outcome in order (``None``: failed), as this rank reaped them; every rank
         sees the same outcomes (a persist is all-or-nothing), though not at the same moment."""
@@ -53,6 +57,7 @@ class PersistQueue:
         # account it now, or its result (and its slot becoming the recovery buffer) would be lost.
         self.poll()
         self._persisting_slot = meta.slot
+        self._stored_steps = None
         self.in_flight = self._executor.submit(self._persist_slot, meta, units, parts)
         self.started += 1
 
@@ -75,7 +80,7 @@ class PersistQueue:
             self._stats.persists += 1
             self._stats.persist_reports.append(self.in_flight.result())
             self._recovery_slot = self._persisting_slot
-            self._pec.prune_ledger(in_memory=self._store.steps())
+            self._pec.prune_ledger(in_memory=self._store.steps(), stored=self._stored_steps)
         else:
             self._stats.failed_persists += 1
             if isinstance(error, PersistFailed):  # agreed by every rank: nothing committed, the group is usable
@@ -107,6 +112,15 @@ class PersistQueue:
         return [r for r in self._outcomes[:reaped_everywhere] if r is not None]
 
     def _persist_slot(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> SaveReport:
+        """Persist, then read the stored steps for :meth:`poll`'s pruning of the ledger here, off the training thread
+        (a manifest read took it ~1 ms a persist on the reference machine). A failed read leaves it to :meth:`poll`: an
+        outcome of the persist that every rank must see alike cannot hinge on one rank's read."""
+        report = self._write_slot(meta, units, parts)
+        with contextlib.suppress(Exception):
+            self._stored_steps = self._pec.stored_steps()
+        return report
+
+    def _write_slot(self, meta: SlotMeta, units: tuple[Unit, ...], parts: tuple[str, ...]) -> SaveReport:
         wanted = {u.key for u in units}
         keys = [k for k in meta.entries if parse_unit(k).key in wanted or part_key_of(k) in parts]
         return self._pec.persist(

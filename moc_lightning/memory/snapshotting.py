@@ -29,7 +29,8 @@ from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.encoding import encode_state
 from moc_lightning.memory.persist_vote import PersistVote
 from moc_lightning.memory.persisting import PersistQueue
-from moc_lightning.memory.snapshot import NUM_SLOTS, Fill, SlotMeta, SnapshotStore
+from moc_lightning.memory.piece_cache import PieceCache
+from moc_lightning.memory.snapshot import NUM_SLOTS, Fill, SlotMeta, SnapshotStore, signature_of
 from moc_lightning.memory.stats import CheckpointStats, StallPhases
 from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.pec.tokens import TokenMark
@@ -39,10 +40,22 @@ from moc_lightning.sharding.ownership import ShardingUnit, Topology, plan_owners
 
 
 @dataclass(frozen=True)
+class _Committed:
+    """What a snapshot's commit on the copy thread hands back to the join."""
+
+    meta: SlotMeta
+    copy_seconds: float
+    """The part of the copy left to the copy thread."""
+    commit_seconds: float
+    nbytes: int
+    """The slot's tensor bytes: summed there, off the training thread."""
+
+
+@dataclass(frozen=True)
 class _PendingSnapshot:
     """A snapshot taken on the training thread whose commit is running in the background."""
 
-    commit: Future[tuple[SlotMeta, float, float]]
+    commit: Future[_Committed]
     persist_units: tuple[Unit, ...] | None
     """What its persist writes whole; ``None``: it is not persisted."""
     persist_parts: tuple[str, ...]
@@ -83,6 +96,7 @@ class SnapshotTaker:
         self._copier = background_executor("moc-snapshot")
         self._snapshot: _PendingSnapshot | None = None
         self._owner_cache: dict[tuple[str, ...], dict[str, int]] = {}
+        self._pieces = PieceCache(pec.layout)
         self._reservation: Future[None] | None = None
 
     def reserve_slots(self) -> None:
@@ -146,7 +160,9 @@ class SnapshotTaker:
             owners = self._owners(units, parts)
             mine = [u for u in units if owners[u.key] == rank]
             my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == rank)
-        tensors = pec.layout.pieces(mine) | pec.plan.part_tensors(my_parts, local=True)
+        tensors, signature = self._pieces.pieces(mine)
+        if part_tensors := pec.plan.part_tensors(my_parts, local=True):
+            tensors, signature = tensors | part_tensors, signature + signature_of(part_tensors)
         extra = {"owners": owners, "lineage": pec.lineage.stamp() if pec.lineage else None}
         slot = self._store.choose_slot(self._persists.slots_in_use())
         persist_units = pec.layout.dense_units + tuple(sorted(selection.persist_units())) if persist else None
@@ -157,7 +173,7 @@ class SnapshotTaker:
 
         start = time.perf_counter()
         later = {key for key in tensors if not is_buffer_key(key)} if self._behind else set()
-        fill = self._store.fill(slot, tensors, midway, defer=later)
+        fill = self._store.fill(slot, tensors, midway, defer=later, signature=signature)
         filled = time.perf_counter()
         commit = self._copier.submit(
             self._commit, slot, step, tuple(u.key for u in mine), my_parts, fill, extra, trainer_state, tokens, tensors
@@ -177,8 +193,8 @@ class SnapshotTaker:
         self, slot: int, step: int, units: tuple[str, ...], parts: tuple[str, ...], fill: Fill,
         extra: dict[str, Any], trainer_state: Mapping[str, Any] | None, tokens: TokenMark | None,
         tensors: Mapping[str, torch.Tensor],
-    ) -> tuple[SlotMeta, float, float]:
-        """Complete the slot's copy, then commit it; returns it, the copy's and the commit's own durations. Then lay
+    ) -> _Committed:
+        """Complete the slot's copy, then commit it; returns it with the copy's and the commit's own durations. Then lay
         the other slots out for ``tensors``' shapes, which the next snapshots' copies will most likely have.
 
         The trainer state is serialised here, off the training thread: it is a fresh dict of plain values. So is the
@@ -195,7 +211,7 @@ class SnapshotTaker:
         meta = self._store.finish(slot, step, units, fill, extra, parts)
         committed = time.perf_counter()
         self._store.prepare(set(range(NUM_SLOTS)) - {slot}, tensors)  # the next snapshots' views, off the thread
-        return meta, copied - start, committed - copied
+        return _Committed(meta, copied - start, committed - copied, sum(e.nbytes for e in meta.entries.values()))
 
     def wait(self) -> None:
         """Block until the running snapshot is copied and committed, record its step's router counts in the ledger,
@@ -206,23 +222,23 @@ class SnapshotTaker:
         self._snapshot = None  # its error, if any, is raised once, here
         waited = time.perf_counter()
         try:
-            meta, background_copy_seconds, commit_seconds = pending.commit.result()
+            committed = pending.commit.result()
         finally:
             if pending.tokens is not None:  # on the training thread, which alone changes the ledger
                 self._pec.tokens.finish_mark(pending.tokens)
         wait = time.perf_counter() - waited
         taken = pending.taken
-        copy_seconds = taken.copy + background_copy_seconds
+        copy_seconds = taken.copy + committed.copy_seconds
         stats = self._stats
         stats.snapshots += 1
         stats.stall_seconds.append(taken.agreement + taken.preparation + taken.copy + wait)
         stats.stall_phases.append(dataclasses.replace(taken, wait=wait))
         stats.wait_seconds.append(wait)
         stats.copy_seconds.append(copy_seconds)
-        stats.snapshot_seconds.append(copy_seconds + commit_seconds)
-        stats.snapshot_bytes.append(sum(e.nbytes for e in meta.entries.values()))
+        stats.snapshot_seconds.append(copy_seconds + committed.commit_seconds)
+        stats.snapshot_bytes.append(committed.nbytes)
         if pending.persist_units is not None:
-            self._persists.start(meta, pending.persist_units, pending.persist_parts)
+            self._persists.start(committed.meta, pending.persist_units, pending.persist_parts)
 
     def _owners(self, units: Sequence[Unit], parts: Sequence[str] = ()) -> dict[str, int]:
         """Which rank snapshots each unit (whole) and the units of ``parts`` (that part): pure, so every rank

@@ -160,9 +160,14 @@ class PECCheckpointer:
             before_commit=before_commit, supersede=supersede, digests=digests,
         )
 
-    def prune_ledger(self, in_memory: Sequence[int] = ()) -> None:
-        """Forget token marks older than every stored version and every snapshot step in ``in_memory``."""
-        self.tokens.prune([r.step for r in self.read_manifest().records] + list(in_memory))
+    def prune_ledger(self, in_memory: Sequence[int] = (), stored: Sequence[int] | None = None) -> None:
+        """Forget token marks older than every stored version and every snapshot step in ``in_memory``. ``stored``:
+        the stored versions' steps (:meth:`stored_steps`) where the caller read them already; ``None``: read now."""
+        self.tokens.prune(list(self.stored_steps() if stored is None else stored) + list(in_memory))
+
+    def stored_steps(self) -> list[int]:
+        """The step of every version the committed manifest records."""
+        return [r.step for r in self.read_manifest().records]
 
     def read_manifest(self) -> Manifest:
         """The committed manifest; if it is unreadable, the one committed before it (and say so)."""

@@ -1,0 +1,72 @@
+"""A snapshot reuses the views it built of each unit's tensors, and builds them again once they no longer view the
+live state (:mod:`moc_lightning.memory.piece_cache`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import torch
+from buffered_model import BufferedMoE, optimizer_of, train
+from test_training_state import _engine
+
+from moc_lightning.engine.layout import Layout
+from moc_lightning.memory.two_level import TwoLevelCheckpointer
+
+
+def _slot_of(engine: TwoLevelCheckpointer, step: int) -> dict[str, torch.Tensor]:
+    slot = next(m for m in engine.store.committed() if m.step == step)
+    return engine.store.read(slot)
+
+
+def test_snapshots_of_the_same_units_build_their_views_once(tmp_path: Path) -> None:
+    model = BufferedMoE(seed=0)
+    optimizer = optimizer_of(model)
+    train(model, optimizer, range(1, 3))
+    engine = _engine(model, optimizer, tmp_path, "shm", persist_every_n_snapshots=1000)
+    engine.reserve_slots()
+    built: list[int] = []
+    pieces = Layout.pieces
+
+    def counting(layout: Layout, units: tuple) -> dict[str, torch.Tensor]:
+        built.append(len(list(units)))
+        return pieces(layout, units)
+
+    with mock.patch.object(Layout, "pieces", counting):
+        for step in range(2, 6):
+            engine.snapshot(step, {})
+            engine.wait_snapshot()
+    engine.finish()
+    units = len(engine.pec.layout.units)  # K=N: every unit in every snapshot, all on this one rank
+    assert sum(built) == units, f"views of {sum(built)} units built over 4 snapshots of the same {units} units"
+
+
+def test_a_snapshot_copies_optimizer_state_that_was_replaced_since_the_last(tmp_path: Path) -> None:
+    """An optimizer may assign new state tensors (torch's create theirs at the first step; a roll back refills them;
+    others replace them every step): the views built for the last snapshot then view tensors no longer live."""
+    model = BufferedMoE(seed=0)
+    optimizer = optimizer_of(model)
+    train(model, optimizer, range(1, 3))
+    engine = _engine(model, optimizer, tmp_path, "shm", persist_every_n_snapshots=1000)
+    engine.reserve_slots()
+    engine.snapshot(2, {})
+    engine.wait_snapshot()
+    for index, state in enumerate(optimizer.state.values()):
+        state["exp_avg"] = torch.full_like(state["exp_avg"], 1000.0 + index)  # a new tensor, not written in place
+    engine.snapshot(3, {})
+    engine.wait_snapshot()
+    point = engine.pec.layout.rollback_point()
+    engine.pec.layout.roll_back(point)  # refills the optimizer state with copies
+    for state in optimizer.state.values():
+        state["exp_avg_sq"].add_(7.0)  # in place, into the refilled tensors
+    engine.snapshot(4, {})
+    engine.wait_snapshot()
+    engine.finish()
+    live = {k: v.clone() for k, v in engine.pec.layout.pieces(engine.pec.layout.units).items()}
+    step3, step4 = _slot_of(engine, 3), _slot_of(engine, 4)
+    moments = [k for k in live if k.endswith("/exp_avg")]
+    assert moments and all(torch.equal(step3[k], live[k]) for k in moments), "step 3 holds the replaced moments"
+    assert all(float(step3[k].flatten()[0]) >= 1000.0 for k in moments)
+    assert sorted(step4) == sorted(live)
+    for key, tensor in live.items():
+        assert torch.equal(step4[key], tensor), f"{key}: step 4's slot is not the live state after the roll back"
