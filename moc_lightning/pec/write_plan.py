@@ -207,9 +207,7 @@ class WritePlan:
         if isinstance(unit, DenseUnit):
             return ShardingUnit(unit.key, "dense", rows, row_bytes, range(self.topology.world_size))
         assert isinstance(unit, ExpertUnit)
-        per_rank = self.layout.num_experts[unit.layer] // self.topology.ep
-        ep_rank = unit.expert // per_rank
-        holders = range(ep_rank, self.topology.world_size, self.topology.ep)
+        holders = self.topology.replicas_of(unit.expert, self.layout.num_experts[unit.layer])
         return ShardingUnit(unit.key, "expert", rows, row_bytes, holders, layer=unit.layer, expert=unit.expert)
 
 

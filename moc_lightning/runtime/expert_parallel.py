@@ -14,6 +14,12 @@ import torch
 import torch.distributed as dist
 
 
+def ep_position(expert: int, num_experts: int, ep: int) -> int:
+    """The EP position holding expert ``expert`` of a layer of ``num_experts`` at EP degree ``ep``: each position holds
+    one contiguous block of ``num_experts // ep`` experts (:meth:`ExpertParallelTopology.local_experts`)."""
+    return expert // (num_experts // ep)
+
+
 @dataclass(frozen=True)
 class ExpertParallelTopology:
     """Where this rank sits in the expert-parallel layout, and the process groups that go with it."""
@@ -54,7 +60,7 @@ class ExpertParallelTopology:
 
     def replicas_of(self, expert: int, num_experts: int) -> range:
         """The ranks holding expert ``expert`` of a layer of ``num_experts``: its EP position in every EP group."""
-        return range(expert // (num_experts // self.ep), self.world_size, self.ep)
+        return range(ep_position(expert, num_experts, self.ep), self.world_size, self.ep)
 
     @classmethod
     def replicated(cls) -> ExpertParallelTopology:

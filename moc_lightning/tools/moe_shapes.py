@@ -16,6 +16,7 @@ from typing import Protocol
 
 from moc_lightning.engine.selection import SequentialSelection
 from moc_lightning.engine.units import DenseUnit, ExpertUnit
+from moc_lightning.runtime.expert_parallel import ep_position
 from moc_lightning.sharding.ownership import ShardingUnit, Topology
 
 TensorShapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -163,7 +164,6 @@ def checkpoint_units(
     shape: MoeShape, topology: Topology, selection: Sequence[Sequence[int]], bytes_per_param: int
 ) -> tuple[ShardingUnit, ...]:
     """All dense units and the selected experts, in state-dict order; one row of ``bytes_per_param`` per parameter."""
-    per_rank = shape.experts // topology.ep
     expert_params = numel(shape.expert_tensors())
     units = []
     for name, params in dense_params(shape):
@@ -176,7 +176,7 @@ def checkpoint_units(
                     "expert",
                     expert_params,
                     bytes_per_param,
-                    topology.replicas(e // per_rank),
+                    topology.replicas(ep_position(e, shape.experts, topology.ep)),
                     layer=moe_index,
                     expert=e,
                 )

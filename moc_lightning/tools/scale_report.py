@@ -75,6 +75,7 @@ from moc_lightning.pec.tokens import TokenAccounting
 from moc_lightning.pec.write_plan import zero_weights_ownership
 from moc_lightning.replay.core import window_schedule
 from moc_lightning.runtime.distributed import agreement_group
+from moc_lightning.runtime.expert_parallel import ep_position
 from moc_lightning.sharding.ownership import (
     Ownership,
     ShardingUnit,
@@ -174,7 +175,7 @@ class _Model:
         if isinstance(unit, DenseUnit):
             return ShardingUnit(unit.key, "dense", rows, row_bytes, topology.ranks())
         assert isinstance(unit, ExpertUnit)
-        holders = topology.replicas(unit.expert // (self.spec.shape.experts // topology.ep))
+        holders = topology.replicas(ep_position(unit.expert, self.spec.shape.experts, topology.ep))
         return ShardingUnit(unit.key, "expert", rows, row_bytes, holders, layer=unit.layer, expert=unit.expert)
 
     def meta(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -224,9 +225,10 @@ def _zero_owners(model: _Model, topology: Topology) -> dict[str, int]:
     each EP rank's experts over its replicas, from the dense loads (the same on every rank)."""
     loads = [0] * topology.world_size
     owners = lpt_owners([(u.key, numel(t)) for u, t in model.dense], topology.ranks(), loads)
-    per_rank = model.spec.shape.experts // topology.ep
+    experts = model.spec.shape.experts
     for ep_rank in range(topology.ep):
-        mine = [(u.key, numel(model.expert_tensors)) for u in model.experts if u.expert // per_rank == ep_rank]
+        mine = [(u.key, numel(model.expert_tensors)) for u in model.experts
+                if ep_position(u.expert, experts, topology.ep) == ep_rank]
         owners |= lpt_owners(mine, topology.replicas(ep_rank), list(loads))
     return owners
 
@@ -302,7 +304,7 @@ def rank_bytes(spec: ModelSpec, world_size: int, k: int) -> RankBytes:
     dense = [unit for unit, _ in model.dense]
     held_bytes, held_units = [sum(whole[u.key] for u in dense)] * spec.ep, [len(dense)] * spec.ep
     for unit in model.experts:  # an expert's holders: the ranks at its EP position
-        position = unit.expert // (spec.num_experts[unit.layer] // spec.ep)
+        position = ep_position(unit.expert, spec.num_experts[unit.layer], spec.ep)
         held_bytes[position] += whole[unit.key]
         held_units[position] += 1
     return RankBytes(
@@ -338,11 +340,12 @@ def replay_bytes(spec: ModelSpec, world_size: int, window: int) -> ReplayBytes:
     every = [unit for unit, _ in model.dense] + list(model.experts)
     sizes = {u: UnitBytes(model.weight_bytes(u), model.state_bytes(u), numel(model.tensors(u))) for u in every}
     schedule = window_schedule(every, window, sizes)
-    per_ep = spec.shape.experts // spec.ep
     weights = [[0] * window for _ in range(spec.ep)]  # per EP rank and offset: the held weights copied there
     owned = [[0] * window for _ in range(world_size)]  # per rank and offset: the optimizer state copied there
     for unit in every:
-        holders = [unit.expert // per_ep] if isinstance(unit, ExpertUnit) else range(spec.ep)
+        holders: Sequence[int] = range(spec.ep)
+        if isinstance(unit, ExpertUnit):
+            holders = [ep_position(unit.expert, spec.shape.experts, spec.ep)]
         for ep_rank in holders:
             for t in range(schedule[unit] + 1):
                 weights[ep_rank][t] += sizes[unit].weights
