@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moc_lightning.engine.layout import Layout, TensorSpec
 from moc_lightning.engine.parts import part_key_of, split_part_key
+from moc_lightning.engine.slots import is_state_key
 from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.recovery import RecoveryPlan, Source
 from moc_lightning.memory.snapshot import SlotEntry, SlotMeta, SnapshotStore
@@ -110,10 +111,12 @@ class MemoryRestore:
             holders = self._holders(unit, source.rank)
             if self._rank not in holders:
                 continue
-            sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in keys]
+            local = self._kept_by_source(unit, source.rank, keys)
+            sent = [k for k in keys if k not in local]
+            sizes = [math.prod(specs[k][0]) * specs[k][1].itemsize for k in sent]
             if source.rank == self._rank:
                 tensors = self._store.read(own_slot(by_slot, source), keys)
-                pieces = [t.reshape(-1).view(torch.uint8) for t in tensors.values()]
+                pieces = [tensors[k].reshape(-1).view(torch.uint8) for k in sent]
                 flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
             else:
                 flat = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -123,14 +126,25 @@ class MemoryRestore:
                 dist.broadcast(flat, src=source.rank, group=group)
                 flat = flat.cpu()
             if unit in layout.slots:
+                received = {k: piece.view(specs[k][1]).view(specs[k][0]) for k, piece in zip(sent, flat.split(sizes))}
+                if source.rank == self._rank:
+                    received |= {k: tensors[k] for k in local}
                 live = layout.tensors([unit])
                 others_state = not all(layout.keeps_state(name) for name in layout.param_names(unit))
                 with torch.no_grad():
-                    for k, piece in zip(keys, flat.split(sizes)):
-                        shape, dtype = specs[k]
-                        if k in skip or (k not in live and others_state and "/optim/" in k):
+                    for k, tensor in received.items():
+                        if k in skip or (k not in live and others_state and is_state_key(k)):
                             continue  # under ZeRO another rank keeps this unit's optimizer state
-                        live[k].copy_(piece.view(dtype).view(shape))
+                        live[k].copy_(tensor)
+
+    def _kept_by_source(self, unit: Unit, source: int | None, keys: Sequence[str]) -> set[str]:
+        """The optimizer state among ``keys`` that only ``source`` keeps: under ZeRO, where ``source`` is the rank that
+        keeps the unit's state (the rank that snapshots it whole), the state is restored from its own slot and sent to
+        no one. Every holder computes the same set, so each broadcast's size agrees on every rank."""
+        owners = self._layout.state_owners
+        if owners is None or unit not in owners or owners[unit] != source:
+            return set()
+        return {k for k in keys if is_state_key(k)}
 
     def _holders(self, unit: Unit, source: int | None) -> range:
         """The ranks a whole unit's broadcast from ``source`` reaches: an expert's replicas (the ranks at its EP

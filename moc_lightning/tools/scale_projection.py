@@ -206,10 +206,13 @@ def shape_bytes(model: str, world_size: int, window: int) -> list[Figure]:
         for field in ("snapshot_max", "persist_max", "persist_total"):
             figures.append(Figure(f"{field}_bytes[K={key}]", float(getattr(placed, field)), COMPUTED, where))
     figures.append(Figure("state_total_bytes", float(placed.state_total), COMPUTED, f"{where}: every unit, restored"))
-    busiest_holder = f"{where}: the busiest rank, the units it holds"
-    figures.append(Figure("restore_bytes", float(placed.restore_max), COMPUTED, busiest_holder))
+    busiest_holder = f"{where}: the busiest rank"
+    figures.append(Figure(
+        "restore_bytes", float(placed.restore_max), COMPUTED,
+        f"{busiest_holder}, the weights of the units it holds and the optimizer state it keeps",
+    ))
     figures.append(
-        Figure("restore_units", float(placed.restore_units_max), COMPUTED, f"{busiest_holder}, a broadcast each")
+        Figure("restore_units", float(placed.restore_units_max), COMPUTED, f"{busiest_holder}, a broadcast a unit")
     )
     replay: ReplayBytes = replay_bytes(spec, world_size, window)
     busiest = f"{where}, W={window}: busiest rank"

@@ -279,9 +279,9 @@ class RankBytes:
     state_total: int
     """Weights and optimizer state of every unit: what a recovery restores."""
     restore_max: int
-    """What the busiest rank receives restoring every unit from memory: weights and optimizer state of the units it
-    holds (every dense unit and the experts of its EP position), each broadcast to its holders only
-    (:meth:`~moc_lightning.memory.restoring.MemoryRestore.restore`)."""
+    """What the busiest rank copies in restoring every unit from memory: the weights of the units it holds (every dense
+    unit and the experts of its EP position), each broadcast to its holders only, and the optimizer state it keeps as
+    their ZeRO owner, from its own slot (:meth:`~moc_lightning.memory.restoring.MemoryRestore.restore`)."""
     restore_units_max: int
     """Units the busiest rank takes part in restoring from memory, one broadcast each."""
 
@@ -300,20 +300,23 @@ def rank_bytes(spec: ModelSpec, world_size: int, k: int) -> RankBytes:
     persist = [own + weights for own, weights in zip(state, ownership.rank_bytes)]
     every = [unit for unit, _ in model.dense] + list(model.experts)
     forget_plans()
-    whole = {unit.key: model.weight_bytes(unit) + model.state_bytes(unit) for unit in every}
     dense = [unit for unit, _ in model.dense]
-    held_bytes, held_units = [sum(whole[u.key] for u in dense)] * spec.ep, [len(dense)] * spec.ep
+    held_bytes, held_units = [sum(model.weight_bytes(u) for u in dense)] * spec.ep, [len(dense)] * spec.ep
     for unit in model.experts:  # an expert's holders: the ranks at its EP position
         position = ep_position(unit.expert, spec.num_experts[unit.layer], spec.ep)
-        held_bytes[position] += whole[unit.key]
+        held_bytes[position] += model.weight_bytes(unit)
         held_units[position] += 1
+    kept = [0] * world_size
+    for unit in every:
+        kept[owners[unit.key]] += model.state_bytes(unit)
+    restored = [held_bytes[rank % spec.ep] + kept[rank] for rank in topology.ranks()]  # EP position: rank % ep
     return RankBytes(
         snapshot_max=max(snapshot),
         snapshot_total=sum(snapshot),
         persist_max=max(persist),
         persist_total=sum(persist),
-        state_total=sum(whole.values()),
-        restore_max=max(held_bytes),
+        state_total=sum(model.weight_bytes(u) + model.state_bytes(u) for u in every),
+        restore_max=max(restored),
         restore_units_max=max(held_units),
     )
 
