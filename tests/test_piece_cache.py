@@ -14,17 +14,24 @@ from moc_lightning.engine.layout import Layout
 from moc_lightning.memory.two_level import TwoLevelCheckpointer
 
 
+def _trained(tmp_path: Path) -> tuple[torch.optim.Optimizer, TwoLevelCheckpointer]:
+    """The optimizer of a model two steps in, and an engine with its slots reserved that snapshots every unit and never
+    persists."""
+    model = BufferedMoE(seed=0)
+    optimizer = optimizer_of(model)
+    train(model, optimizer, range(1, 3))
+    engine = _engine(model, optimizer, tmp_path, "shm", persist_every_n_snapshots=1000)
+    engine.reserve_slots()
+    return optimizer, engine
+
+
 def _slot_of(engine: TwoLevelCheckpointer, step: int) -> dict[str, torch.Tensor]:
     slot = next(m for m in engine.store.committed() if m.step == step)
     return engine.store.read(slot)
 
 
 def test_snapshots_of_the_same_units_build_their_views_once(tmp_path: Path) -> None:
-    model = BufferedMoE(seed=0)
-    optimizer = optimizer_of(model)
-    train(model, optimizer, range(1, 3))
-    engine = _engine(model, optimizer, tmp_path, "shm", persist_every_n_snapshots=1000)
-    engine.reserve_slots()
+    _, engine = _trained(tmp_path)
     built: list[int] = []
     pieces = Layout.pieces
 
@@ -44,11 +51,7 @@ def test_snapshots_of_the_same_units_build_their_views_once(tmp_path: Path) -> N
 def test_a_snapshot_copies_optimizer_state_that_was_replaced_since_the_last(tmp_path: Path) -> None:
     """An optimizer may assign new state tensors (torch's create theirs at the first step; a roll back refills them;
     others replace them every step): the views built for the last snapshot then view tensors no longer live."""
-    model = BufferedMoE(seed=0)
-    optimizer = optimizer_of(model)
-    train(model, optimizer, range(1, 3))
-    engine = _engine(model, optimizer, tmp_path, "shm", persist_every_n_snapshots=1000)
-    engine.reserve_slots()
+    optimizer, engine = _trained(tmp_path)
     engine.snapshot(2, {})
     engine.wait_snapshot()
     for index, state in enumerate(optimizer.state.values()):

@@ -68,7 +68,8 @@ def test_bytes_per_rank_add_up_to_the_models_state() -> None:
     assert full.restore_units_max == len(shape.dense_tensors()) + len(shape.moe_layers), (
         "EP 16 of 16 experts: a rank restores the dense units and one expert per MoE layer, its own"
     )
-    weights = 2 * (sum(numel(t) for _, t in shape.dense_tensors()) + len(shape.moe_layers) * numel(shape.expert_tensors()))
+    experts = len(shape.moe_layers) * numel(shape.expert_tensors())  # one a layer
+    weights = 2 * (sum(numel(t) for _, t in shape.dense_tensors()) + experts)  # bf16
     kept_on_average = sum(12 * numel(t) + 4 * len(t) for t in units) / 64
     assert weights + kept_on_average <= full.restore_max <= weights + full.snapshot_max < held, (
         "a rank copies in the weights of what it holds and only the optimizer state it keeps as ZeRO owner"
