@@ -56,10 +56,10 @@ def main() -> None:
     parts = pec.plan.partial_parts(units)
     owners = taker._owners(units, parts)
     mine = [u for u in units if owners[u.key] == 0]
-    cache = PieceCache(layout)
+    cache = PieceCache()
     print(f"{len(mine)} units, {len(layout.pieces(mine))} tensors; mean of {CALLS} calls")
     per_call_us("the views, built (Layout.pieces)", lambda: layout.pieces(mine))
-    per_call_us("the views, reused (PieceCache.pieces)", lambda: cache.pieces(mine))
+    per_call_us("the views, reused (PieceCache.pieces)", lambda: cache.pieces(layout, mine))
     per_call_us("the selection", lambda: pec.selector.select(next(index), False, None))
     per_call_us("the owners (cached per unit set)", lambda: taker._owners(units, parts))
     per_call_us("this rank's units", lambda: [u for u in units if owners[u.key] == 0])

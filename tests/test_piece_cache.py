@@ -3,6 +3,7 @@ live state (:mod:`moc_lightning.memory.piece_cache`)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from unittest import mock
 
@@ -10,19 +11,19 @@ import torch
 from buffered_model import BufferedMoE, optimizer_of, train
 from test_training_state import _engine
 
-from moc_lightning.engine.layout import Layout
+from moc_lightning.engine.layout import Layout, build_layout
 from moc_lightning.memory.two_level import TwoLevelCheckpointer
 
 
-def _trained(tmp_path: Path) -> tuple[torch.optim.Optimizer, TwoLevelCheckpointer]:
-    """The optimizer of a model two steps in, and an engine with its slots reserved that snapshots every unit and never
+def _trained(tmp_path: Path) -> tuple[BufferedMoE, torch.optim.Optimizer, TwoLevelCheckpointer]:
+    """A model two steps in, its optimizer, and an engine with its slots reserved that snapshots every unit and never
     persists."""
     model = BufferedMoE(seed=0)
     optimizer = optimizer_of(model)
     train(model, optimizer, range(1, 3))
     engine = _engine(model, optimizer, tmp_path, "shm", persist_every_n_snapshots=1000)
     engine.reserve_slots()
-    return optimizer, engine
+    return model, optimizer, engine
 
 
 def _slot_of(engine: TwoLevelCheckpointer, step: int) -> dict[str, torch.Tensor]:
@@ -31,7 +32,7 @@ def _slot_of(engine: TwoLevelCheckpointer, step: int) -> dict[str, torch.Tensor]
 
 
 def test_snapshots_of_the_same_units_build_their_views_once(tmp_path: Path) -> None:
-    _, engine = _trained(tmp_path)
+    _, _, engine = _trained(tmp_path)
     built: list[int] = []
     pieces = Layout.pieces
 
@@ -51,7 +52,7 @@ def test_snapshots_of_the_same_units_build_their_views_once(tmp_path: Path) -> N
 def test_a_snapshot_copies_optimizer_state_that_was_replaced_since_the_last(tmp_path: Path) -> None:
     """An optimizer may assign new state tensors (torch's create theirs at the first step; a roll back refills them;
     others replace them every step): the views built for the last snapshot then view tensors no longer live."""
-    optimizer, engine = _trained(tmp_path)
+    _, optimizer, engine = _trained(tmp_path)
     engine.snapshot(2, {})
     engine.wait_snapshot()
     for index, state in enumerate(optimizer.state.values()):
@@ -73,3 +74,25 @@ def test_a_snapshot_copies_optimizer_state_that_was_replaced_since_the_last(tmp_
     assert sorted(step4) == sorted(live)
     for key, tensor in live.items():
         assert torch.equal(step4[key], tensor), f"{key}: step 4's slot is not the live state after the roll back"
+
+
+def test_a_snapshot_after_the_optimizer_was_re_created_copies_the_new_optimizers_state(tmp_path: Path) -> None:
+    """Lightning may re-create the optimizer (a restore loads the state into a new object), and the engine then takes a
+    layout of the new one (``PECCheckpointer.attach``). Views built from the old layout still answer, with the old
+    optimizer's state, which nothing updates any more. Failed on 752efa5 (found by a randomized ZeRO-2 chaos trial,
+    seed 3025: every restored unit's optimizer state was the state before the resume)."""
+    model, optimizer, engine = _trained(tmp_path)
+    engine.snapshot(2, {})
+    engine.wait_snapshot()
+    recreated = optimizer_of(model)
+    recreated.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # new state tensors, as a restore makes them
+    engine.pec.attach(build_layout(model, recreated, num_experts=engine.pec.layout.num_experts[0]))
+    train(model, recreated, range(3, 4))
+    engine.snapshot(3, {})
+    engine.wait_snapshot()
+    engine.finish()
+    live = {k: v.clone() for k, v in engine.pec.layout.pieces(engine.pec.layout.units).items()}
+    step3 = _slot_of(engine, 3)
+    assert sorted(step3) == sorted(live)
+    stale = [key for key, tensor in live.items() if not torch.equal(step3[key], tensor)]
+    assert stale == [], f"step 3's slot holds the old optimizer's state of {stale[:3]} ({len(stale)} tensors)"

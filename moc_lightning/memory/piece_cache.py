@@ -10,6 +10,11 @@ live objects (:meth:`~moc_lightning.engine.layout.Layout.sources`) and compares 
 were built from. An optimizer that creates its state, a roll back that refills it, or an optimizer or FSDP2 that
 assigns new tensors makes the cache build that unit's views again. A cached view cannot alias a new tensor at the same
 address: it keeps the old storage alive.
+
+The live state is the engine's layout's at each snapshot. Lightning may re-create the optimizer, and the engine then
+takes a new layout (:meth:`~moc_lightning.pec.checkpointer.PECCheckpointer.attach`). The old layout still answers,
+with the old optimizer's state. So the cache is asked with the layout in force, and it starts over when that is
+another one.
 """
 
 from __future__ import annotations
@@ -40,20 +45,22 @@ class PieceCache:
     Public: :meth:`pieces`.
     """
 
-    def __init__(self, layout: Layout) -> None:
-        self._layout = layout
+    def __init__(self) -> None:
+        self._layout: Layout | None = None
         self._units: dict[Unit, _UnitPieces] = {}
 
-    def pieces(self, units: Iterable[Unit]) -> tuple[dict[str, torch.Tensor], tuple]:
-        """``Layout.pieces(units)`` and its :func:`signature_of`, from the views built before where they still view
-        the live tensors."""
+    def pieces(self, layout: Layout, units: Iterable[Unit]) -> tuple[dict[str, torch.Tensor], tuple]:
+        """``layout.pieces(units)`` and its :func:`signature_of`, from the views built before where they still view
+        the live tensors. ``layout``: the engine's layout now; views built from another one are dropped."""
+        if layout is not self._layout:
+            self._layout, self._units = layout, {}
         tensors: dict[str, torch.Tensor] = {}
         signature: list[tuple] = []
         for unit in units:
             cached = self._units.get(unit)
-            sources = self._layout.sources((unit,))
+            sources = layout.sources((unit,))
             if cached is None or not _same(cached.sources, sources):
-                pieces = self._layout.pieces((unit,))
+                pieces = layout.pieces((unit,))
                 cached = self._units[unit] = _UnitPieces(sources, pieces, signature_of(pieces))
             tensors.update(cached.pieces)
             signature.append(cached.signature)

@@ -96,7 +96,7 @@ class SnapshotTaker:
         self._copier = background_executor("moc-snapshot")
         self._snapshot: _PendingSnapshot | None = None
         self._owner_cache: dict[tuple[str, ...], dict[str, int]] = {}
-        self._pieces = PieceCache(pec.layout)
+        self._pieces = PieceCache()
         self._reservation: Future[None] | None = None
 
     def reserve_slots(self) -> None:
@@ -160,7 +160,7 @@ class SnapshotTaker:
             owners = self._owners(units, parts)
             mine = [u for u in units if owners[u.key] == rank]
             my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == rank)
-        tensors, signature = self._pieces.pieces(mine)
+        tensors, signature = self._pieces.pieces(pec.layout, mine)
         if part_tensors := pec.plan.part_tensors(my_parts, local=True):
             tensors, signature = tensors | part_tensors, signature + signature_of(part_tensors)
         extra = {"owners": owners, "lineage": pec.lineage.stamp() if pec.lineage else None}
