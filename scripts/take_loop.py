@@ -17,7 +17,6 @@ import torch
 
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.engine.layout import build_layout
-from moc_lightning.memory.piece_cache import PieceCache
 from moc_lightning.memory.snapshot import SnapshotStore
 from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
@@ -56,10 +55,8 @@ def main() -> None:
     parts = pec.plan.partial_parts(units)
     owners = taker._owners(units, parts)
     mine = [u for u in units if owners[u.key] == 0]
-    cache = PieceCache()
     print(f"{len(mine)} units, {len(layout.pieces(mine))} tensors; mean of {CALLS} calls")
-    per_call_us("the views, built (Layout.pieces)", lambda: layout.pieces(mine))
-    per_call_us("the views, reused (PieceCache.pieces)", lambda: cache.pieces(layout, mine))
+    per_call_us("the views (Layout.pieces)", lambda: layout.pieces(mine))
     per_call_us("the selection", lambda: pec.selector.select(next(index), False, None))
     per_call_us("the owners (cached per unit set)", lambda: taker._owners(units, parts))
     per_call_us("this rank's units", lambda: [u for u in units if owners[u.key] == 0])

@@ -187,31 +187,6 @@ class Layout:
         """
         return {key: tensor for unit in units for key, tensor, _ in self._entries(unit, local=True)}
 
-    def sources(self, units: Iterable[Unit]) -> list[object]:
-        """The live objects that :meth:`pieces` of ``units`` are views of, in order: each buffer, each parameter and its
-        optimizer state's values, each DTensor's local tensor too.
-
-        Two calls return the same objects, compared by identity, as long as nothing has replaced any of them. So
-        pieces built at the first call are still views of the live state. A snapshot checks this before it reuses the
-        pieces it built for the same units (:class:`~moc_lightning.memory.snapshotting.SnapshotTaker`). Replacement
-        happens when an optimizer creates its state, on a roll back (:meth:`roll_back` refills the state), and
-        with optimizers or FSDP2 code that assign new tensors. A few dict lookups a parameter, where building the
-        pieces again makes a view and a key for every tensor.
-        """
-        state: Mapping[torch.Tensor, Mapping[str, Any]] = {} if self.optimizer is None else self.optimizer.state
-        found: list[object] = []
-        for unit in units:
-            for slot in self.slots[unit]:
-                if slot.buffer:
-                    found.append(self.buffers[slot.param])
-                    continue
-                param = self.params[slot.param]
-                for tensor in (param, *state.get(param, {}).values()):
-                    found.append(tensor)
-                    if isinstance(tensor, DTensor):  # its piece: what to_local returns without grad mode
-                        found.append(tensor._local_tensor)
-        return found
-
     def model_tensors(self, units: Iterable[Unit]) -> dict[str, torch.Tensor]:
         """The model's own tensors of ``units``: weights and buffers, no optimizer state (as in :meth:`tensors`)."""
         return {key: tensor for unit in units for key, tensor, _ in self._entries(unit, state=False)}

@@ -254,7 +254,6 @@ class SnapshotStore:
         tensors: Mapping[str, torch.Tensor],
         midway: Callable[[], None] | None = None,
         defer: Collection[str] = (),
-        signature: tuple | None = None,
     ) -> Fill:
         """Invalidate ``slot`` and start copying ``tensors`` into it; :meth:`Fill.complete` (which :meth:`finish`
         calls) completes the copy.
@@ -265,9 +264,8 @@ class SnapshotStore:
         work so far (the values are final there), so the device-to-host copy overlaps the next forward and
         backward; :meth:`Fill.complete` waits for that stream. The copy goes in two halves, ``midway()`` between
         them (fault drills tear a snapshot there): halves of the deferred tensors when there are any.
-        ``signature``: :func:`signature_of` ``tensors``, where the caller kept it from a snapshot of the same tensors.
         """
-        entries, targets = self._prepare(slot, tensors, signature)
+        entries, targets = self._prepare(slot, tensors)
         sources = list(tensors.values())
         if any(t.is_cuda for t in sources):
             stream = _side_stream()
@@ -299,11 +297,11 @@ class SnapshotStore:
         return meta
 
     def _prepare(
-        self, slot: int, tensors: Mapping[str, torch.Tensor], signature: tuple | None = None
+        self, slot: int, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, SlotEntry], list[torch.Tensor]]:
         """Invalidate ``slot`` and return its layout for ``tensors`` and a view of the slot for each."""
         self.invalidate(slot)
-        signature = signature_of(tensors) if signature is None else signature
+        signature = _signature(tensors)
         cached = self._targets.get((slot, signature))
         if cached is None:
             entries, nbytes = layout_entries(tensors)
@@ -316,7 +314,7 @@ class SnapshotStore:
         later snapshot shaped the same (the sequential selection's next experts) finds them built: a copy thread does
         it after a commit, while no snapshot is taken. A slot not mapped large enough yet is left alone (a mapping
         grows only on the snapshot's thread)."""
-        signature = signature_of(tensors)
+        signature = _signature(tensors)
         entries, nbytes = layout_entries(tensors)
         for slot in slots:
             mapping = self._mappings.get(slot)
@@ -436,7 +434,7 @@ def map_file(path: Path, nbytes: int) -> mmap.mmap:
         return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
-def signature_of(tensors: Mapping[str, torch.Tensor]) -> tuple:
+def _signature(tensors: Mapping[str, torch.Tensor]) -> tuple:
     """What a slot's layout of ``tensors`` depends on: their dtypes and shapes in order, not their names."""
     return tuple((t.dtype, t.shape) for t in tensors.values())
 

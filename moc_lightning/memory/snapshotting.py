@@ -29,8 +29,7 @@ from moc_lightning.engine.units import ExpertUnit, Unit, parse_unit
 from moc_lightning.memory.encoding import encode_state
 from moc_lightning.memory.persist_vote import PersistVote
 from moc_lightning.memory.persisting import PersistQueue
-from moc_lightning.memory.piece_cache import PieceCache
-from moc_lightning.memory.snapshot import NUM_SLOTS, Fill, SlotMeta, SnapshotStore, signature_of
+from moc_lightning.memory.snapshot import NUM_SLOTS, Fill, SlotMeta, SnapshotStore
 from moc_lightning.memory.stats import CheckpointStats, StallPhases
 from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.pec.tokens import TokenMark
@@ -96,7 +95,6 @@ class SnapshotTaker:
         self._copier = background_executor("moc-snapshot")
         self._snapshot: _PendingSnapshot | None = None
         self._owner_cache: dict[tuple[str, ...], dict[str, int]] = {}
-        self._pieces = PieceCache()
         self._reservation: Future[None] | None = None
 
     def reserve_slots(self) -> None:
@@ -160,9 +158,7 @@ class SnapshotTaker:
             owners = self._owners(units, parts)
             mine = [u for u in units if owners[u.key] == rank]
             my_parts = tuple(p for p in parts if owners[split_part_key(p)[0]] == rank)
-        tensors, signature = self._pieces.pieces(pec.layout, mine)
-        if part_tensors := pec.plan.part_tensors(my_parts, local=True):
-            tensors, signature = tensors | part_tensors, signature + signature_of(part_tensors)
+        tensors = pec.layout.pieces(mine) | pec.plan.part_tensors(my_parts, local=True)
         extra = {"owners": owners, "lineage": pec.lineage.stamp() if pec.lineage else None}
         slot = self._store.choose_slot(self._persists.slots_in_use())
         persist_units = pec.layout.dense_units + tuple(sorted(selection.persist_units())) if persist else None
@@ -173,7 +169,7 @@ class SnapshotTaker:
 
         start = time.perf_counter()
         later = {key for key in tensors if not is_buffer_key(key)} if self._behind else set()
-        fill = self._store.fill(slot, tensors, midway, defer=later, signature=signature)
+        fill = self._store.fill(slot, tensors, midway, defer=later)
         filled = time.perf_counter()
         commit = self._copier.submit(
             self._commit, slot, step, tuple(u.key for u in mine), my_parts, fill, extra, trainer_state, tokens, tensors
