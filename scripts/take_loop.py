@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.engine.layout import build_layout
@@ -24,6 +25,8 @@ from moc_lightning.pec.checkpointer import PECCheckpointer
 from moc_lightning.storage import make_storage
 
 CALLS = 500
+SMALL_16E = Path(__file__).resolve().parents[1] / "conf" / "model" / "small_16e.yaml"
+"""The quick bench's model."""
 
 
 def per_call_us(what: str, call: Callable[[], Any]) -> None:
@@ -35,8 +38,7 @@ def per_call_us(what: str, call: Callable[[], Any]) -> None:
 
 
 def main() -> None:
-    cfg = GPTMoEConfig(vocab_size=256, block_size=64, n_layer=4, n_embd=256, n_head=4, num_experts=16, moe_every=2,
-                       top_k=2, bias=False)  # conf/model/small_16e.yaml
+    cfg = GPTMoEConfig(**OmegaConf.to_container(OmegaConf.load(SMALL_16E)))  # type: ignore[arg-type]
     model = GPTMoE(cfg, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1))

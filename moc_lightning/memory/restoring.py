@@ -153,7 +153,7 @@ class MemoryRestore:
         the holders (a slot of a run laid out with another EP degree) broadcasts over every rank, as before."""
         topology = self._topology
         everyone = range(topology.world_size)
-        if not isinstance(unit, ExpertUnit) or topology.ep == 1:
+        if not isinstance(unit, ExpertUnit):
             return everyone
         replicas = topology.replicas_of(unit.expert, self._layout.num_experts[unit.layer])
         return replicas if source is not None and source in replicas else everyone

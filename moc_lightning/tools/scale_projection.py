@@ -30,9 +30,10 @@ MTBF projection does; full checkpoints are K=N), in seconds:
 - **Recovery**: the inventory exchange (``latency + exchange bytes / network``), the recovery plan, and the restore
   from memory *as implemented* (:mod:`moc_lightning.memory.restoring`): unit after unit, its owner reads it from its
   slot and broadcasts it to the unit's holders only (every rank for a dense unit, an expert's replicas for an
-  expert; the replica groups' broadcasts run side by side), so the busiest rank receives the weights and state of
-  the units it holds (``held / restore + held / network + held units * latency``). Its optimizer state still goes to
-  every holder, where only its ZeRO owner keeps it; sending it to the owner alone is not built.
+  expert; the replica groups' broadcasts run side by side), and a unit's ZeRO owner restores its optimizer state from
+  its own slot. So the busiest rank copies in the weights of the units it holds and the state it keeps
+  (``restored / restore + restored / network + held units * latency``, a bound: the kept state does not cross the
+  network).
 - **Replay** (window W): each iteration copies what :func:`~moc_lightning.tools.scale_report.replay_bytes` says the
   busiest rank copies at that offset, less the overlap, plus the snapshot's all-reduce, averaged over the window; a
   recovery restores the busiest rank's window at the restore speed and replays W-1 iterations at the iteration time.

@@ -309,14 +309,13 @@ def rank_bytes(spec: ModelSpec, world_size: int, k: int) -> RankBytes:
     kept = [0] * world_size
     for unit in every:
         kept[owners[unit.key]] += model.state_bytes(unit)
-    restored = [held_bytes[rank % spec.ep] + kept[rank] for rank in topology.ranks()]  # EP position: rank % ep
     return RankBytes(
         snapshot_max=max(snapshot),
         snapshot_total=sum(snapshot),
         persist_max=max(persist),
         persist_total=sum(persist),
         state_total=sum(model.weight_bytes(u) + model.state_bytes(u) for u in every),
-        restore_max=max(restored),
+        restore_max=max(held + max(kept[r] for r in topology.replicas(p)) for p, held in enumerate(held_bytes)),
         restore_units_max=max(held_units),
     )
 
