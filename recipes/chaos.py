@@ -7,7 +7,8 @@ damaged stored files; after every recovery the restored state, the data order an
     python recipes/chaos.py seeds=111,118 out=chaos.json      # rerun chosen trials
     python recipes/chaos.py storage=s3 trials=6 out=chaos_s3.json   # checkpoints in a bucket, network faults too
 
-``mode=pec`` (the default) runs ``checkpoint.mode=pec`` and checks each recovery against the steps its report names.
+``mode=pec`` (the default) runs ``checkpoint.mode=pec`` and checks each recovery against the steps its report names,
+and (``ddp``, ``zero2``) the consolidated final checkpoint against the state the last incarnation ended with.
 ``mode=replay`` runs ``checkpoint.mode=replay`` (windows of ``window`` iterations, every ``persist_windows``-th
 stored; ``max_steps`` defaults to 16, a multiple of W: the last window ends at the last step) and holds every trial
 to the fault-free run of the same options, bitwise: every step, the state after each resume, the consolidated final

@@ -27,11 +27,13 @@ from moc_lightning.tools.chaos.checks import (
     check_restore,
     check_resume_state,
     check_steps,
+    finished_states,
     moe_prefixes,
     unit_of,
 )
 from moc_lightning.tools.chaos.harness import (
     REPLAY_KILL_PHASES,
+    Fault,
     TrialConfig,
     TrialResult,
     damage,
@@ -310,6 +312,26 @@ def test_final_state_check_compares_the_consolidated_tensors_with_every_rank() -
     assert check_final_state("moc-consolidate failed", REPLAY_REFERENCE, 8) == ["moc-consolidate failed"]
 
 
+def test_pec_final_state_is_what_the_last_incarnation_ended_with() -> None:
+    """PEC resumes lose tokens, so a PEC trial's final checkpoint is held to the trial's own end: its last step's
+    state, or the state it was restored to at ``max_steps`` (its ``start`` record) when nothing was left to train."""
+    records = {
+        0: [{"inc": 0, "kind": "step", "step": 8, "digests": {"param/model.w": "w@8"}},
+            {"inc": 1, "kind": "start", "step": 8, "digests": {"param/model.w": "w@6,restored"}}],
+        1: [{"inc": 0, "kind": "step", "step": 7, "digests": {"param/model.w": "w@7"}},
+            {"inc": 1, "kind": "step", "step": 8, "digests": {"param/model.w": "w@8'"}}],
+    }
+    final = finished_states(records, 8)
+    assert final == {0: [{"kind": "step", "step": 8, "digests": {"param/model.w": "w@6,restored"}}],
+                     1: [{"kind": "step", "step": 8, "digests": {"param/model.w": "w@8'"}}]}
+    assert check_final_state({"weights/model.w": "w@6,restored"}, {0: final[0]}, 8) == []
+    assert check_final_state({"weights/model.w": "w@8"}, {0: final[0]}, 8) == [
+        "rank 0: the consolidated step 8: param/model.w differs"
+    ], "a final checkpoint of incarnation 0's last step, not of the restored state"
+    unfinished = finished_states({0: [{"inc": 0, "kind": "step", "step": 5, "digests": {}}]}, 8)
+    assert check_final_state({}, unfinished, 8) == ["rank 0: the fault-free run has no state after step 8"]
+
+
 def test_completion_and_hang_checks() -> None:
     recs = {0: [{"inc": 1, "kind": "step", "step": 24}], 1: [{"inc": 1, "kind": "step", "step": 23}]}
     ok = [{"inc": 0, "rc": 1, "hang": None}, {"inc": 1, "rc": 0, "hang": None}]
@@ -512,6 +534,28 @@ def test_seeded_trial(seed: int, data_parallel: str, tmp_path_factory: pytest.Te
         assert any(unit in f for f in check_restore(tampered)), f"a wrong source step of {unit} went unnoticed"
     failed = {check: details[:3] for check, details in result.failures.items() if details}
     assert result.passed, f"seed {seed}, faults {[f['label'] for f in result.faults]}: {failed}"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("chaos_trials")
+def test_a_pec_resume_at_max_steps_restores_from_memory_before_the_final_persist(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An edge of the loop the draws do not reach: rank 1 dies inside the final persist under ZeRO-2, after the
+    snapshot of ``max_steps`` was committed. The resumed fit runs no batch: the memory restore (each unit's optimizer
+    state from its owner's own slot) must be complete at its end, and the final checkpoint must hold that state."""
+    cfg = TrialConfig(data_parallel="zero2")
+    root = tmp_path_factory.getbasetemp() / "chaos"
+    kill = Fault("kill", 0, plan=FaultPlan(1, cfg.max_steps, "final_persist", incarnation=0).spec())
+    result = run_trial(0, root, cfg, reference_records(root, cfg), keep=True, faults=[kill])
+    failed = {check: details[:3] for check, details in result.failures.items() if details}
+    assert result.passed, f"{result.verdict} {failed}"
+    assert result.starts == [(0, 0), (1, cfg.max_steps)], "resumed at max_steps, with nothing left to train"
+    assert "final_state" in result.failures, "the final checkpoint was checked"
+    records = {r: read_records(root / "trial-0" / "oracle" / f"rank{r}.jsonl") for r in range(4)}
+    sources = {s["level"] for s in next(r for r in records[1] if r["kind"] == "start" and r["step"] > 0)["report"]
+               ["sources"].values()}
+    assert "memory_local" in sources, f"rank 1 restored from {sources}, not its own slots"
 
 
 REPLAY_TRIAL = (8, TrialConfig(mode="replay", max_steps=8, window=4, persist_windows=2))

@@ -274,8 +274,10 @@ def consolidated_key(key: str) -> str | None:
 
 
 def check_final_state(consolidated: Mapping[str, str] | str, reference: Records, max_steps: int) -> list[str]:
-    """Replay mode: the final checkpoint, consolidated (``moc-consolidate``), holds bitwise the fault-free run's state
-    after ``max_steps``: each tensor as every rank holding it had it, and nothing no rank had.
+    """The final checkpoint, consolidated (``moc-consolidate``), holds bitwise ``reference``'s state after
+    ``max_steps``: each tensor as every rank holding it had it, and nothing no rank had. Replay mode: the fault-free
+    run's; PEC mode (whose resumes lose tokens): the trial's own, as its last incarnation ended
+    (:func:`finished_states`).
 
     ``consolidated``: digests keyed ``weights/<name>`` and ``optim/<name>/<state>``, or why there are none."""
     if isinstance(consolidated, str):
@@ -299,6 +301,18 @@ def check_final_state(consolidated: Mapping[str, str] | str, reference: Records,
     if extra:
         failures.append(f"the consolidated checkpoint holds {len(extra)} tensors no rank had, e.g. {extra[:3]}")
     return failures
+
+
+def finished_states(records: Records, max_steps: int) -> Records:
+    """PEC mode: each rank's state as the last incarnation ended, at ``max_steps`` (after training its last step, or
+    restored there with nothing left to train: its ``start`` record), shaped as :func:`check_final_state` reads a
+    reference. A rank with no such record gets none, which that check reports."""
+    last = max((r["inc"] for recs in records.values() for r in recs), default=0)
+    return {
+        rank: [{"kind": "step", "step": max_steps, "digests": r["digests"]} for r in recs
+               if r["inc"] == last and r["kind"] in ("step", "start") and r["step"] == max_steps][-1:]
+        for rank, recs in records.items()
+    }
 
 
 def check_completes(records: Records, outcomes: Sequence[Mapping[str, Any]], max_steps: int, world: int) -> list[str]:
@@ -331,17 +345,21 @@ def run_checks(
     max_steps: int,
     world: int,
     consolidated: Mapping[str, str] | str | None = None,
+    replay: bool = False,
 ) -> dict[str, list[str]]:
-    """Every check's failure details (an empty list: passed). ``consolidated`` (replay mode: the digests of the
-    consolidated final checkpoint, or why there are none) selects replay mode's checks: ``reference`` is then the
-    fault-free run with MoC, and the trial must agree with it bitwise; without it, PEC mode's."""
+    """Every check's failure details (an empty list: passed). ``replay``: replay mode's checks, where ``reference`` is
+    the fault-free run with MoC and the trial must agree with it bitwise; else PEC mode's. ``consolidated``: the
+    digests of the consolidated final checkpoint, or why there are none; ``None``: not checked (``fsdp2``, whose
+    oracle digests each rank's pieces; a bucket's checkpoints)."""
     checks = {"no_hang": check_no_hang(outcomes), "completes": check_completes(records, outcomes, max_steps, world)}
-    if consolidated is None:
-        checks["restore"] = check_restore(records)
-        checks["restore_never_saved"] = check_restore(records, never_saved=True)
-    else:
+    if replay:
         checks["steps"] = check_steps(records, reference)
         checks["resume_state"] = check_resume_state(records, reference)
-        checks["final_state"] = check_final_state(consolidated, reference, max_steps)
+    else:
+        checks["restore"] = check_restore(records)
+        checks["restore_never_saved"] = check_restore(records, never_saved=True)
+    if consolidated is not None:
+        expected = reference if replay else finished_states(records, max_steps)
+        checks["final_state"] = check_final_state(consolidated, expected, max_steps)
     checks["data"] = check_data(records, reference)
     return {name: details[:MAX_DETAILS] for name, details in checks.items()}

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,8 +51,8 @@ MODES = ("pec", "replay")
 """``checkpoint.mode`` of a trial's job."""
 KILL_PHASES = ("train", "snapshot", "slot_commit", "persist", "manifest_commit")
 REPLAY_KILL_PHASES = ("train", "capture", "handover", "seal", "store", "final_persist", "manifest_commit")
-"""Where incarnation 0 of a replay trial dies (:mod:`moc_lightning.runtime.faults`); ``final_persist`` and ``manifest_commit``
-(rank 0's commit) are inside the final persist, replay mode's only one."""
+"""Where incarnation 0 of a replay trial dies (:mod:`moc_lightning.runtime.faults`); ``final_persist`` and
+``manifest_commit`` (rank 0's commit) are inside the final persist, replay mode's only one."""
 DAMAGE_TARGETS = ("data", "metadata", "moc_json", "manifest")
 WINDOW_DAMAGE_TARGETS = ("window", "head")
 """What of a rank's newest stored replay window is damaged: its object, or its head."""
@@ -63,8 +63,9 @@ REPLAY_SECOND_FAULTS = ("none", "node_loss", "damage", "node_loss_damage", "kill
 storage and pass over the damaged copy (with memory intact, a resume reads memory first)."""
 CHAOS_MODES = ("ddp", "zero2", "fsdp2")
 REPLAY_DATA_PARALLEL = ("ddp", "zero2")
-"""``data_parallel`` of replay trials: ``final_state`` compares the consolidated checkpoint's whole tensors with what
-the ranks hold, which under ``fsdp2`` are shards (the oracle digests each rank's pieces)."""
+"""``data_parallel`` of replay trials, and of the trials whose final checkpoint is checked (``final_state``): it
+compares the consolidated checkpoint's whole tensors with what the ranks hold, which under ``fsdp2`` are shards (the
+oracle digests each rank's pieces)."""
 HANG_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 STORAGES = ("local", "s3")
 """Where a trial's job keeps its checkpoints: a local directory, or a bucket of a local S3-protocol server behind the
@@ -457,12 +458,14 @@ class TrialResult:
 
 def run_trial(
     seed: int, root: Path, cfg: TrialConfig, reference: Mapping[int, list[dict[str, Any]]], keep: bool = False,
-    bucket: BucketStore | None = None,
+    bucket: BucketStore | None = None, faults: Sequence[Fault] | None = None,
 ) -> TrialResult:
     """Draw the faults of ``seed``, run the trial's incarnations under ``root``, and check them; ``bucket``: the
-    server and proxy of ``storage=s3`` trials (:func:`~moc_lightning.tools.chaos.s3_trials.bucket_store`)."""
+    server and proxy of ``storage=s3`` trials (:func:`~moc_lightning.tools.chaos.s3_trials.bucket_store`);
+    ``faults``: these instead of the draws (a test pins an edge of the loop that the draws do not reach). ``seed``
+    still seeds what a damage fault corrupts."""
     rng = random.Random(seed)
-    faults = draw_faults(rng, cfg)
+    faults = draw_faults(rng, cfg) if faults is None else list(faults)
     result = TrialResult(seed, [asdict(f) | {"label": f.label} for f in faults])
     described = [f.label + (f" ({f.plan or f.rule})" if f.plan or f.rule else "") for f in faults]
     print(f"[chaos] trial seed={seed}: faults {described}", flush=True)
@@ -500,10 +503,12 @@ def run_trial(
         began = "restored" if cfg.mode == "replay" else "start"  # replay mode: where the state after the replay is
         result.starts = [(r["inc"], r["step"]) for r in records[0] if r["kind"] == began]
         final = None
-        if cfg.mode == "replay":
+        if cfg.data_parallel in REPLAY_DATA_PARALLEL and storage is None:
             finished = result.outcomes[-1]["rc"] == 0
             final = consolidated_digests(work) if finished else "the job never finished: no final checkpoint"
-        result.failures = run_checks(records, reference, result.outcomes, cfg.max_steps, WORLD, final)
+        result.failures = run_checks(
+            records, reference, result.outcomes, cfg.max_steps, WORLD, final, replay=cfg.mode == "replay"
+        )
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
         if not keep:
