@@ -1,12 +1,15 @@
-"""The training thread's work to prepare a K=1 snapshot of ``small_16e``, timed in a hot loop, one process.
+"""The training thread's work to prepare a K=1 snapshot of ``small_16e``, timed hot and cold, one process.
 
 What each step of :meth:`~moc_lightning.memory.snapshotting.SnapshotTaker.take` besides the copy costs when the
-interpreter's caches are warm: the floor that the bench's stall phases (``docs/performance.md``, issue 30 item 3) are
-compared with. Run: ``.venv/bin/python scripts/take_loop.py``.
+caches are warm (the same call over and over), and when they are cold: each call right after writing over twice the
+last-level cache, as a training step's forward, backward and optimizer step do before a snapshot. Both are the
+floors that the bench's stall phases (``docs/performance.md``, issue 30 item 3) are compared with; each line prints
+the median call of each and their ratio. Run: ``.venv/bin/python scripts/take_loop.py``.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,19 +25,45 @@ from moc_lightning.memory.snapshot import SnapshotStore
 from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.sharding.ownership import forget_plans
 from moc_lightning.storage import make_storage
 
-CALLS = 500
+CALLS = 200
 SMALL_16E = Path(__file__).resolve().parents[1] / "conf" / "model" / "small_16e.yaml"
 """The quick bench's model."""
+FALLBACK_CACHE_BYTES = 64 << 20
+"""The last-level cache assumed where sysfs does not say."""
 
 
-def per_call_us(what: str, call: Callable[[], Any]) -> None:
+def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The size of this CPU's highest-level cache, from sysfs; :data:`FALLBACK_CACHE_BYTES` where it is not there."""
+    sizes = {}
+    for index in cpu.glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes[level] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return sizes[max(sizes)] if sizes else FALLBACK_CACHE_BYTES
+
+
+def per_call_us(what: str, call: Callable[[], Any], evict: torch.Tensor) -> None:
+    """Print the median microseconds of ``call`` hot, then with the caches evicted (``evict`` written over) before
+    each call, and their ratio."""
     call()
-    start = time.perf_counter()
+    hot, cold = [], []
     for _ in range(CALLS):
+        start = time.perf_counter()
         call()
-    print(f"{what:40s} {(time.perf_counter() - start) / CALLS * 1e6:8.1f} us")
+        hot.append(time.perf_counter() - start)
+    for _ in range(CALLS):
+        evict.add_(1)
+        start = time.perf_counter()
+        call()
+        cold.append(time.perf_counter() - start)
+    hot_us, cold_us = statistics.median(hot) * 1e6, statistics.median(cold) * 1e6
+    print(f"{what:40s} hot {hot_us:8.1f} us   cold {cold_us:8.1f} us   {cold_us / hot_us:5.1f}x")
 
 
 def main() -> None:
@@ -57,13 +86,18 @@ def main() -> None:
     parts = pec.plan.partial_parts(units)
     owners = taker._owners(units, parts)
     mine = [u for u in units if owners[u.key] == 0]
-    print(f"{len(mine)} units, {len(layout.pieces(mine))} tensors; mean of {CALLS} calls")
-    per_call_us("the views (Layout.pieces)", lambda: layout.pieces(mine))
-    per_call_us("the selection", lambda: pec.selector.select(next(index), False, None))
-    per_call_us("the owners (cached per unit set)", lambda: taker._owners(units, parts))
-    per_call_us("this rank's units", lambda: [u for u in units if owners[u.key] == 0])
-    per_call_us("the slot's choice", lambda: engine.store.choose_slot(engine.persists.slots_in_use()))
-    per_call_us("the router counts' all-reduce, started", lambda: pec.tokens.start_mark(1, None))
+    cache = last_level_cache_bytes()
+    evict = torch.zeros(2 * cache // 4)  # float32: twice the last-level cache
+    print(f"{len(mine)} units, {len(layout.pieces(mine))} tensors; median of {CALLS} calls each, hot and with "
+          f"{2 * cache / 2**20:.0f} MiB written over before each (last-level cache {cache / 2**20:.0f} MiB)")
+    per_call_us("the views (Layout.pieces)", lambda: layout.pieces(mine), evict)
+    per_call_us("the selection", lambda: pec.selector.select(next(index), False, None), evict)
+    per_call_us("the owners (cached per unit set)", lambda: taker._owners(units, parts), evict)
+    planned = "the owners (planned: a new unit set)"
+    per_call_us(planned, lambda: (forget_plans(), taker._plan_owners(units, parts)), evict)
+    per_call_us("this rank's units", lambda: [u for u in units if owners[u.key] == 0], evict)
+    per_call_us("the slot's choice", lambda: engine.store.choose_slot(engine.persists.slots_in_use()), evict)
+    per_call_us("the router counts' all-reduce, started", lambda: pec.tokens.start_mark(1, None), evict)
     engine.finish()
     engine.store.remove()
 

@@ -1,4 +1,5 @@
-"""``scripts/take_loop.py``, whose figures ``docs/performance.md`` cites, still runs: a few calls of each timed step."""
+"""``scripts/take_loop.py``, whose figures ``docs/performance.md`` cites, still runs: a few calls of each timed step,
+hot and with the caches evicted."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_hot_loop_times_every_step_of_a_snapshots_preparation(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_loop_times_every_step_of_a_snapshots_preparation_hot_and_cold(capsys: pytest.CaptureFixture[str]) -> None:
     spec = importlib.util.spec_from_file_location("take_loop", ROOT / "scripts" / "take_loop.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -19,5 +20,8 @@ def test_the_hot_loop_times_every_step_of_a_snapshots_preparation(capsys: pytest
     module.main()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("21 units, 116 tensors"), lines[0]
-    timed = [line for line in lines[1:] if line.endswith(" us")]
-    assert len(timed) == 6 and all(float(line.split()[-2]) > 0 for line in timed), lines
+    timed = [line.split() for line in lines[1:] if line.endswith("x")]
+    assert len(timed) == 7, lines
+    for words in timed:
+        hot, cold = float(words[words.index("hot") + 1]), float(words[words.index("cold") + 1])
+        assert hot > 0 and cold > 0 and words[-1] == f"{cold / hot:.1f}x", words
