@@ -53,14 +53,20 @@ class TokenAccounting:
         self.dynamic_k = DynamicK(cfg.k_snapshot, cfg.k_persist, min(num_experts), cfg.dynamic_k.plt_threshold)
         self._cfg = cfg
         self._rank = rank
-        self._pending = [torch.zeros(n, dtype=torch.int64) for n in num_experts]
+        self._sizes = (*num_experts, len(num_experts))
+        """How a mark's values split (:attr:`TokenMark.sizes`)."""
+        self._pending = torch.zeros(sum(num_experts), dtype=torch.int64)
+        """Since the last mark, every MoE layer's counts of each expert, flat: a mark on the training thread copies
+        one tensor, whatever the number of layers."""
+        self._pending_counts = self._pending.split(list(num_experts))
+        """Each layer's view of :attr:`_pending`, which :meth:`record` adds to."""
         self._pending_assigned = [0] * len(num_experts)
         self._k_choice_said: str | None = None
 
     def record(self, moe_layers: Sequence[RouterCounts]) -> None:
         """Add the router counts of the last step (this rank's tokens); reduced over ranks at checkpoint time."""
         for i, layer in enumerate(moe_layers):
-            self._pending[i] += layer.tokens_per_expert.to("cpu", torch.int64)
+            self._pending_counts[i].add_(layer.tokens_per_expert.to("cpu", torch.int64))
             self._pending_assigned[i] += layer.tokens_assigned
 
     def start_mark(self, step: int, group: dist.ProcessGroup | None = None) -> TokenMark:
@@ -69,13 +75,12 @@ class TokenAccounting:
 
         ``group``: a gloo group (:func:`~moc_lightning.runtime.distributed.agreement_group`) whose result may be read
         on another thread; ``None``: the default group (a CUDA tensor under NCCL)."""
-        flat = torch.cat([*self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
+        flat = torch.cat([self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
         if group is None:
             flat = flat.to(collective_device())
-        sizes = (*(len(p) for p in self._pending), len(self._pending_assigned))
-        self._pending = [torch.zeros_like(p) for p in self._pending]
+        self._pending.zero_()
         self._pending_assigned = [0] * len(self._pending_assigned)
-        return TokenMark(step, StartedReduction(flat, group=group), sizes)
+        return TokenMark(step, StartedReduction(flat, group=group), self._sizes)
 
     def finish_mark(self, mark: TokenMark) -> None:
         """Record ``mark``'s summed counts in the ledger and mark its step (waits for the sum if it is not done)."""
