@@ -24,6 +24,20 @@ def ledger() -> TokenLedger:
     return ledger
 
 
+def test_recording_every_layer_at_once_is_recording_each(ledger: TokenLedger) -> None:
+    at_once = TokenLedger([3, 2])
+    at_once.load_state_dict(ledger.state_dict())
+    record(ledger, [1, 0, 2], 6, [3, 0], 6)
+    at_once.record_all(torch.tensor([1, 0, 2, 3, 0]), torch.tensor([6, 6]))
+    ledger.mark(5)
+    at_once.mark(5)
+    assert at_once.state_dict() == ledger.state_dict()
+    restored_from = [[3, 1, NEVER], [1, 3]]
+    assert at_once.recover(5, restored_from).lost_per_layer == ledger.recover(5, restored_from).lost_per_layer
+    with pytest.raises(ValueError, match=r"must have shape \[5\] and assigned \[2\], got \[4\] and \[2\]"):
+        at_once.record_all(torch.tensor([1, 0, 2, 3]), torch.tensor([6, 6]))
+
+
 def test_plt_of_one_fault_equals_eq7_by_hand(ledger: TokenLedger) -> None:
     # cumulative at step 3: layer 0 [3, 5, 2] of 12 assigned, layer 1 [3, 4] of 12; at step 1: [2, 1, 0] and [1, 1]
     report = ledger.recover(3, restored_from=[[3, 1, NEVER], [1, 3]])

@@ -134,11 +134,12 @@ def test_the_ledger_state_of_a_pending_mark_is_the_state_after_it() -> None:
     ledger = TokenLedger([4, 2])
     ledger.record(0, torch.tensor([1, 0, 2, 5]), 16)
     ledger.mark(3)
-    counts, assigned = [torch.tensor([3, 3, 0, 1]), torch.tensor([2, 9])], [14, 22]
-    expected = ledger.state_dict_after(counts, assigned, 6)
+    counts, assigned = torch.tensor([3, 3, 0, 1, 2, 9]), torch.tensor([14, 22])  # flat, as a mark sums them
     before = ledger.state_dict()
+    expected = ledger.state_dict_after(counts, assigned, 6)
     assert ledger.state_dict() == before, "the ledger itself is left as it is"
-    for layer, (c, a) in enumerate(zip(counts, assigned)):
+    assert expected["now"] == {"processed": [[4, 3, 2, 6], [2, 9]], "assigned": [30, 22]}
+    for layer, (c, a) in enumerate(zip(counts.split([4, 2]), assigned.tolist())):
         ledger.record(layer, c, a)
     ledger.mark(6)
     assert ledger.state_dict() == expected

@@ -63,11 +63,20 @@ class FaultReport:
 
 @dataclass(frozen=True)
 class _Counts:
-    processed: tuple[torch.Tensor, ...]
+    """Cumulative counts: every MoE layer's tokens of each expert, flat, and each layer's tokens x top_k. One tensor
+    each, so that a checkpoint's record and mark take a tensor operation each, however many layers there are."""
+
+    flat: torch.Tensor
     assigned: torch.Tensor
+    processed: tuple[torch.Tensor, ...]
+    """Each layer's view of :attr:`flat`."""
+
+    @staticmethod
+    def of(flat: torch.Tensor, assigned: torch.Tensor, num_experts: Sequence[int]) -> _Counts:
+        return _Counts(flat, assigned, flat.split(list(num_experts)))
 
     def clone(self) -> _Counts:
-        return _Counts(tuple(t.clone() for t in self.processed), self.assigned.clone())
+        return _Counts.of(self.flat.clone(), self.assigned.clone(), [len(p) for p in self.processed])
 
 
 class TokenLedger:
@@ -75,9 +84,10 @@ class TokenLedger:
 
     def __init__(self, num_experts: Sequence[int]) -> None:
         self.num_experts = tuple(num_experts)
-        zeros = _Counts(
-            tuple(torch.zeros(n, dtype=torch.int64) for n in self.num_experts),
+        zeros = _Counts.of(
+            torch.zeros(sum(self.num_experts), dtype=torch.int64),
             torch.zeros(len(self.num_experts), dtype=torch.int64),
+            self.num_experts,
         )
         self._now = zeros
         self._marks: dict[int, _Counts] = {NEVER: zeros.clone()}
@@ -92,6 +102,17 @@ class TokenLedger:
             )
         self._now.processed[layer].add_(counts.detach().to("cpu", torch.int64))
         self._now.assigned[layer] += int(assigned)
+
+    def record_all(self, counts: torch.Tensor, assigned: torch.Tensor) -> None:
+        """:meth:`record` of every MoE layer at once: ``counts`` flat (layer 0's experts, then layer 1's, ...) and
+        ``assigned`` one per layer."""
+        if counts.shape != self._now.flat.shape or assigned.shape != self._now.assigned.shape:
+            raise ValueError(
+                f"counts of every MoE layer must have shape [{self._now.flat.numel()}] and assigned "
+                f"[{len(self.num_experts)}], got {list(counts.shape)} and {list(assigned.shape)}"
+            )
+        self._now.flat.add_(counts.detach().to("cpu", torch.int64))
+        self._now.assigned.add_(assigned.detach().to("cpu", torch.int64))
 
     def mark(self, step: int) -> None:
         """Remember the cumulative counts at checkpoint step ``step``."""
@@ -161,11 +182,12 @@ class TokenLedger:
     def state_dict(self) -> dict[str, Any]:
         return self._state(self._now, self._marks)
 
-    def state_dict_after(self, counts: Sequence[torch.Tensor], assigned: Sequence[int], step: int) -> dict[str, Any]:
-        """:meth:`state_dict` as it will be once ``counts`` and ``assigned`` (one step's or interval's, per MoE layer)
-        are recorded and ``step`` is marked, leaving this ledger as it is (read off the thread that changes it)."""
-        processed = tuple(now + c.to(torch.int64) for now, c in zip(self._now.processed, counts, strict=True))
-        now = _Counts(processed, self._now.assigned + torch.tensor(list(assigned), dtype=torch.int64))
+    def state_dict_after(self, counts: torch.Tensor, assigned: torch.Tensor, step: int) -> dict[str, Any]:
+        """:meth:`state_dict` as it will be once ``counts`` and ``assigned`` (one step's or interval's, as
+        :meth:`record_all` takes them) are recorded and ``step`` is marked, leaving this ledger as it is (read off the
+        thread that changes it)."""
+        now = _Counts.of(self._now.flat + counts.to(torch.int64), self._now.assigned + assigned.to(torch.int64),
+                         self.num_experts)
         return self._state(now, {**self._marks, step: now})
 
     def _state(self, now: _Counts, marks: Mapping[int, _Counts]) -> dict[str, Any]:
@@ -194,9 +216,11 @@ def _counts_state(counts: _Counts) -> dict[str, Any]:
 
 
 def _counts_from(state: Mapping[str, Any]) -> _Counts:
-    return _Counts(
-        tuple(torch.tensor(t, dtype=torch.int64) for t in state["processed"]),
+    processed = state["processed"]
+    return _Counts.of(
+        torch.tensor([count for layer in processed for count in layer], dtype=torch.int64),
         torch.tensor(state["assigned"], dtype=torch.int64),
+        [len(layer) for layer in processed],
     )
 
 

@@ -30,14 +30,14 @@ class TokenMark:
     """The checkpoint step the counts are marked at."""
     reduction: StartedReduction
     """Every MoE layer's counts of each expert, then each layer's tokens x top_k, flat, summed over the ranks."""
-    sizes: tuple[int, ...]
-    """How :attr:`reduction`'s values split: the layers' expert counts, then the number of layers."""
+    layers: int
+    """How many MoE layers: the last :attr:`layers` of :attr:`reduction`'s values are their tokens x top_k."""
 
-    def counts(self) -> tuple[list[torch.Tensor], list[int]]:
-        """Per MoE layer, the tokens each expert processed on all ranks, and the tokens x top_k assigned (waits for
-        the sum)."""
-        *processed, assigned = self.reduction.result().cpu().split(list(self.sizes))
-        return processed, [int(a) for a in assigned]
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens each expert processed on all ranks, flat (every MoE layer's experts in turn), and each layer's
+        tokens x top_k assigned, as :meth:`TokenLedger.record_all` takes them (waits for the sum)."""
+        values = self.reduction.result().cpu()
+        return values[: -self.layers], values[-self.layers :]
 
 
 class TokenAccounting:
@@ -53,8 +53,6 @@ class TokenAccounting:
         self.dynamic_k = DynamicK(cfg.k_snapshot, cfg.k_persist, min(num_experts), cfg.dynamic_k.plt_threshold)
         self._cfg = cfg
         self._rank = rank
-        self._sizes = (*num_experts, len(num_experts))
-        """How a mark's values split (:attr:`TokenMark.sizes`)."""
         self._pending = torch.zeros(sum(num_experts), dtype=torch.int64)
         """Since the last mark, every MoE layer's counts of each expert, flat: a mark on the training thread copies
         one tensor, whatever the number of layers."""
@@ -80,13 +78,11 @@ class TokenAccounting:
             flat = flat.to(collective_device())
         self._pending.zero_()
         self._pending_assigned = [0] * len(self._pending_assigned)
-        return TokenMark(step, StartedReduction(flat, group=group), self._sizes)
+        return TokenMark(step, StartedReduction(flat, group=group), len(self._pending_assigned))
 
     def finish_mark(self, mark: TokenMark) -> None:
         """Record ``mark``'s summed counts in the ledger and mark its step (waits for the sum if it is not done)."""
-        counts, assigned = mark.counts()
-        for layer, (processed, tokens) in enumerate(zip(counts, assigned)):
-            self.ledger.record(layer, processed, tokens)
+        self.ledger.record_all(*mark.counts())
         self.ledger.mark(mark.step)
 
     def mark_step(self, step: int) -> None:
