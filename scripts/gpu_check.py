@@ -41,6 +41,7 @@ CUDA_TESTS = (
     "tests/test_cuda.py::test_nccl_all_to_all_expert_parallel_matches_one_process",
     "tests/test_cuda.py::test_bf16_autocast_trains_with_fp32_master_state_in_the_snapshots",
     "tests/test_cuda.py::test_snapshots_grow_no_device_allocation",
+    "tests/test_cuda.py::test_router_counts_on_the_device_are_added_there_and_summed_at_the_mark",
 )
 """Every test marked ``cuda`` but the drill (those needing 2 GPUs skip themselves, saying why, on one)."""
 DRILL_TEST = "tests/test_fault_drills.py::test_a_killed_gpu_rank_resumes_bitwise_from_the_snapshots"

@@ -53,18 +53,27 @@ class TokenAccounting:
         self.dynamic_k = DynamicK(cfg.k_snapshot, cfg.k_persist, min(num_experts), cfg.dynamic_k.plt_threshold)
         self._cfg = cfg
         self._rank = rank
+        self._num_experts = list(num_experts)
         self._pending = torch.zeros(sum(num_experts), dtype=torch.int64)
         """Since the last mark, every MoE layer's counts of each expert, flat: a mark on the training thread copies
-        one tensor, whatever the number of layers."""
-        self._pending_counts = self._pending.split(list(num_experts))
+        one tensor, whatever the number of layers. On the device the counts come from (:meth:`record`)."""
+        self._pending_counts = self._pending.split(self._num_experts)
         """Each layer's view of :attr:`_pending`, which :meth:`record` adds to."""
         self._pending_assigned = [0] * len(num_experts)
         self._k_choice_said: str | None = None
 
     def record(self, moe_layers: Sequence[RouterCounts]) -> None:
-        """Add the router counts of the last step (this rank's tokens); reduced over ranks at checkpoint time."""
+        """Add the router counts of the last step (this rank's tokens); reduced over ranks at checkpoint time.
+
+        Counts on a GPU are added there: a copy to the host every step would wait for the step's kernels (one wait
+        per MoE layer), where a mark copies the sum once per checkpoint."""
+        device = next((c.device for c in (layer.tokens_per_expert for layer in moe_layers) if c.device.type != "cpu"),
+                      None)
+        if device is not None and device != self._pending.device:
+            self._pending = self._pending.to(device)
+            self._pending_counts = self._pending.split(self._num_experts)
         for i, layer in enumerate(moe_layers):
-            self._pending_counts[i].add_(layer.tokens_per_expert.to("cpu", torch.int64))
+            self._pending_counts[i].add_(layer.tokens_per_expert.to(self._pending.device, torch.int64))
             self._pending_assigned[i] += layer.tokens_assigned
 
     def start_mark(self, step: int, group: dist.ProcessGroup | None = None) -> TokenMark:
@@ -73,9 +82,8 @@ class TokenAccounting:
 
         ``group``: a gloo group (:func:`~moc_lightning.runtime.distributed.agreement_group`) whose result may be read
         on another thread; ``None``: the default group (a CUDA tensor under NCCL)."""
-        flat = torch.cat([self._pending, torch.tensor(self._pending_assigned, dtype=torch.int64)])
-        if group is None:
-            flat = flat.to(collective_device())
+        counts = self._pending.to(collective_device() if group is None else "cpu")
+        flat = torch.cat([counts, torch.tensor(self._pending_assigned, dtype=torch.int64, device=counts.device)])
         self._pending.zero_()
         self._pending_assigned = [0] * len(self._pending_assigned)
         return TokenMark(step, StartedReduction(flat, group=group), len(self._pending_assigned))
