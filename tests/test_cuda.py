@@ -22,7 +22,7 @@ from test_expert_parallel import _ep_step, check_against_one_process
 from moc_lightning.config import CheckpointConfig, StorageConfig
 from moc_lightning.data import DataConfig, LMDataModule
 from moc_lightning.engine.layout import build_layout
-from moc_lightning.engine.routing import LayerCounts
+from moc_lightning.engine.routing import LayerCounts, read_routing
 from moc_lightning.lightning.callback import MoCCheckpoint
 from moc_lightning.memory import snapshot
 from moc_lightning.memory.snapshot import NUM_SLOTS, SnapshotStore
@@ -348,14 +348,23 @@ def test_snapshots_grow_no_device_allocation(tmp_path: Path) -> None:
 
 @pytest.mark.cuda
 def test_router_counts_on_the_device_are_added_there_and_summed_at_the_mark() -> None:
-    """Each step's counts on the GPU are added on the device (a host copy would wait for the step's kernels, once per
-    MoE layer) and copied once, at the mark; a layer without a forward that step reports host zeros beside them."""
+    """Each step's counts on the GPU are counted from a router's indices and added on the device, with no wait for it
+    (a host copy would wait for the step's kernels, once per MoE layer), and copied once, at the mark; a layer without
+    a forward that step reports host zeros beside them. Indices outside ``[0, N)`` count for no expert."""
     device = _device()
     tokens = TokenAccounting(CheckpointConfig(k_snapshot=1, k_persist=1), [3, 2], rank=0)
+
     def on(*counts: int) -> torch.Tensor:
         return torch.tensor(counts, device=device)
 
     tokens.record([LayerCounts(on(1, 0, 2), 6), LayerCounts(torch.zeros(2, dtype=torch.int64), 0)])
-    tokens.record([LayerCounts(on(0, 3, 0), 6), LayerCounts(on(1, 2), 6)])
+    top2, counts = on(2, 1, -1, 1, 0, 9).reshape(3, 2), on(0, 3, 0)  # a router's top-2 indices; a layer's counts
+    torch.cuda.set_sync_debug_mode("error")  # from here, any wait for the device raises
+    try:
+        routed = read_routing(top2, num_experts=2, k=2)
+        assert routed is not None
+        tokens.record([LayerCounts(counts, 6), LayerCounts(*routed)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     tokens.mark_step(2)
     assert tokens.ledger.state_dict()["marks"][2] == {"processed": [[1, 3, 2], [1, 2]], "assigned": [12, 6]}

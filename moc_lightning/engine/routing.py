@@ -231,10 +231,12 @@ def read_routing(output: Any, num_experts: int, k: int) -> tuple[torch.Tensor, i
 
 def _bincount(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens per expert from expert indices; an index outside ``[0, N)`` (a padding or other-rank sentinel)
-    counts for no expert. No host sync: the counts stay where the indices are."""
+    counts for no expert. No host sync: the counts stay where the indices are (``torch.bincount`` on CUDA reads the
+    indices' minimum and maximum on the host to size its result)."""
     flat = indices.detach().reshape(-1).to(torch.int64)
     flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    return torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
