@@ -25,6 +25,7 @@ from moc_lightning.memory.snapshot import SnapshotStore
 from moc_lightning.memory.two_level import TwoLevelCheckpointer
 from moc_lightning.models import ExpertParallelTopology, GPTMoE, GPTMoEConfig
 from moc_lightning.pec.checkpointer import PECCheckpointer
+from moc_lightning.pec.tokens import TokenAccounting
 from moc_lightning.sharding.ownership import forget_plans
 from moc_lightning.storage import make_storage
 
@@ -98,6 +99,9 @@ def main() -> None:
     per_call_us("this rank's units", lambda: [u for u in units if owners[u.key] == 0], evict)
     per_call_us("the slot's choice", lambda: engine.store.choose_slot(engine.persists.slots_in_use()), evict)
     per_call_us("the router counts' all-reduce, started", lambda: pec.tokens.start_mark(1, None), evict)
+    deep = TokenAccounting(config, [256] * 58, rank=0)  # DeepSeek-V3's MoE layers: the accounting's cost per layer
+    per_call_us("a mark started, 58 x 256 experts", lambda: deep.start_mark(1, None), evict)
+    per_call_us("a mark started and finished, 58 x 256", lambda: deep.finish_mark(deep.start_mark(1, None)), evict)
     engine.finish()
     engine.store.remove()
 

@@ -21,7 +21,7 @@ def test_the_loop_times_every_step_of_a_snapshots_preparation_hot_and_cold(capsy
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("21 units, 116 tensors"), lines[0]
     timed = [line.split() for line in lines[1:] if line.endswith("x")]
-    assert len(timed) == 7, lines
+    assert len(timed) == 9, lines
     for words in timed:
         hot, cold = float(words[words.index("hot") + 1]), float(words[words.index("cold") + 1])
         ratio = float(words[-1].removesuffix("x"))  # of the unrounded medians
