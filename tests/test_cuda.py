@@ -345,7 +345,6 @@ def test_snapshots_grow_no_device_allocation(tmp_path: Path) -> None:
     engine.store.remove()
 
 
-
 @pytest.mark.cuda
 def test_router_counts_on_the_device_are_added_there_and_summed_at_the_mark() -> None:
     """Each step's counts on the GPU are counted from a router's indices and added on the device, with no wait for it

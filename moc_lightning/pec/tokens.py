@@ -67,13 +67,12 @@ class TokenAccounting:
 
         Counts on a GPU are added there: a copy to the host every step would wait for the step's kernels (one wait
         per MoE layer), where a mark copies the sum once per checkpoint."""
-        device = next((c.device for c in (layer.tokens_per_expert for layer in moe_layers) if c.device.type != "cpu"),
-                      None)
-        if device is not None and device != self._pending.device:
-            self._pending = self._pending.to(device)
-            self._pending_counts = self._pending.split(self._num_experts)
         for i, layer in enumerate(moe_layers):
-            self._pending_counts[i].add_(layer.tokens_per_expert.to(self._pending.device, torch.int64))
+            counts = layer.tokens_per_expert
+            if counts.device.type != "cpu" and counts.device != self._pending.device:  # the first step on a GPU
+                self._pending = self._pending.to(counts.device)
+                self._pending_counts = self._pending.split(self._num_experts)
+            self._pending_counts[i].add_(counts.to(self._pending.device, torch.int64))
             self._pending_assigned[i] += layer.tokens_assigned
 
     def start_mark(self, step: int, group: dist.ProcessGroup | None = None) -> TokenMark:
